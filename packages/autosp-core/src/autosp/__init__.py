@@ -1,0 +1,37 @@
+"""AutoSP: sequence parallelism as a compiler pass.
+
+    import autosp
+    compiled = autosp.compile(model, sp_size=2)   # every rank: same full-length inputs
+    loss = compiled(input_ids, labels)             # the single-device loss
+    loss.backward()                                # the single-device gradients
+"""
+
+from autosp.analysis.attention import AttentionSite, AttentionSpec
+from autosp.api import AutoSPBackend, backend, compile, explain
+from autosp.errors import AutoSPError, ConfigError
+from autosp.hardware import HardwareProfile
+from autosp.hookspecs import hookimpl
+from autosp.options import SPOptions
+from autosp.passes.manager import Pass, Stage
+from autosp.report import Report
+from autosp.variants import SPVariant
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AttentionSite",
+    "AttentionSpec",
+    "AutoSPBackend",
+    "AutoSPError",
+    "ConfigError",
+    "HardwareProfile",
+    "Pass",
+    "Report",
+    "SPOptions",
+    "SPVariant",
+    "Stage",
+    "backend",
+    "compile",
+    "explain",
+    "hookimpl",
+]

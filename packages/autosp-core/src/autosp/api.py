@@ -1,0 +1,113 @@
+"""Public entry points: ``autosp.compile``, ``autosp.backend``, ``autosp.explain``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from autosp.options import SPOptions, resolve_group
+from autosp.registry import get_registry
+from autosp.report import Report
+
+
+class AutoSPBackend:
+    """A Dynamo backend that makes each compiled graph sequence-parallel.
+
+    Options are checked, the variant looked up and the SP group resolved when the
+    backend is made, so bad input fails before any graph runs.  ``reports`` holds
+    one ``Report`` per compiled graph.
+    """
+
+    def __init__(self, options: SPOptions) -> None:
+        self.options = options
+        self.registry = get_registry()
+        self.group, self.world = resolve_group(options)
+        if self.world > 1:
+            self.registry.variant(options.variant)
+        self.reports: list[Report] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        from autosp.compiler import compile_graph
+
+        return compile_graph(gm, example_inputs, self.options, self.registry, self.group, self.world, self.reports)
+
+
+def backend(
+    *,
+    sp_size: int | None = None,
+    variant: str = "ulysses",
+    sac: bool | str = "auto",
+    group: Any = None,
+    backend: str = "inductor",
+    disable_passes: tuple[str, ...] = (),
+    **variant_options: Any,
+) -> AutoSPBackend:
+    """A Dynamo backend for ``torch.compile(model, backend=autosp.backend(...))``.
+
+    Args:
+        sp_size: ranks that share one sequence; ``None``: the size of ``group``.
+        variant: SP variant ("ulysses"; others come with their packages).
+        sac: "auto", True or False (see ``SPOptions``).
+        group: SP process group; default: the world, or subgroups of ``sp_size``.
+        backend: "inductor", "aot_eager" or "eager": the compiler after AutoSP.
+        disable_passes: names of passes to skip.
+        **variant_options: passed to the variant (for example ``ring_degree``).
+    """
+    options = SPOptions(
+        sp_size=sp_size, variant=variant, sac=sac, group=group, backend=backend,
+        disable_passes=tuple(disable_passes), variant_options=variant_options,
+    )
+    return AutoSPBackend(options)
+
+
+def compile(  # noqa: A001 - mirrors torch.compile
+    model: Callable[..., Any],
+    *,
+    sp_size: int | None = None,
+    variant: str = "ulysses",
+    sac: bool | str = "auto",
+    group: Any = None,
+    backend: str = "inductor",
+    disable_passes: tuple[str, ...] = (),
+    variant_options: dict[str, Any] | None = None,
+    **torch_compile_kwargs: Any,
+) -> Callable[..., Any]:
+    """Compile ``model`` into a sequence-parallel program.
+
+    Every rank of the SP group calls the result with the same full-length inputs
+    and gets what ``model`` returns on one device; after ``.backward()`` every
+    parameter's ``.grad`` equals the single-device gradient on every rank.
+    The AutoSP reports are on ``compiled.autosp_reports``.
+    """
+    be = globals()["backend"](
+        sp_size=sp_size, variant=variant, sac=sac, group=group, backend=backend,
+        disable_passes=disable_passes, **(variant_options or {}),
+    )
+    compiled = torch.compile(model, backend=be, **torch_compile_kwargs)
+    try:
+        compiled.autosp_reports = be.reports
+    except AttributeError:
+        pass
+    return compiled
+
+
+def explain(model: Callable[..., Any], *example_inputs: Any, **options: Any) -> str:
+    """Compile and run ``model`` once on ``example_inputs``; return what AutoSP found and did.
+
+    Takes the options of ``autosp.compile``; with ``sp_size > 1`` every rank of the
+    group must call it, as the program runs once.
+    """
+    options.setdefault("backend", "aot_eager")
+    compiled = compile(model, **options)
+    compiled(*example_inputs)
+    return "\n\n".join(str(r) for r in compiled.autosp_reports)
+
+
+def dynamo_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+    """``torch.compile(model, backend="autosp")``: AutoSP with default options."""
+    return AutoSPBackend(SPOptions())(gm, example_inputs)
+
+
+__all__ = ["AutoSPBackend", "backend", "compile", "dynamo_backend", "explain"]

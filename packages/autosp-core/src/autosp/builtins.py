@@ -1,0 +1,19 @@
+"""autosp-core's own plugin, loaded through the ``autosp`` entry point like any other."""
+
+from __future__ import annotations
+
+from autosp.hardware import BUILTIN_PROFILES
+from autosp.hookspecs import hookimpl
+from autosp.passes.core import PASSES
+
+
+@hookimpl
+def autosp_register_passes(register):
+    for p in PASSES:
+        register(p)
+
+
+@hookimpl
+def autosp_register_hardware(register):
+    for profile in BUILTIN_PROFILES:
+        register(profile)

@@ -1,0 +1,139 @@
+"""The Dynamo backend: run the passes stage by stage around AOT autograd and the inner compiler."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._functorch.aot_autograd import aot_module_simplified
+from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
+from torch._guards import detect_fake_mode
+
+from autosp.context import CompileContext
+from autosp.hardware import select_profile
+from autosp.options import SPOptions
+from autosp.passes.manager import PassManager, Stage
+from autosp.registry import Registry
+from autosp.report import Report
+
+_graph_ids = itertools.count()
+
+
+def _fake_inputs(example_inputs: Sequence[Any]) -> tuple[list[Any], Any]:
+    # The backend's fake mode (the tracing context's), not the one Dynamo traced with.
+    fake_mode = detect_fake_mode(example_inputs)
+    if fake_mode is None:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        fake_mode = FakeTensorMode()
+    fakes = [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
+    return fakes, fake_mode
+
+
+def _is_param(name: str, x: Any) -> bool:
+    # Parameters and buffers (RoPE tables, position tables) are never sequence-shaped inputs.
+    return isinstance(x, torch.nn.Parameter) or "_parameters_" in name or "_buffers_" in name
+
+
+def make_context(
+    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: SPOptions, registry: Registry,
+    group: Any, world: int,
+) -> CompileContext:
+    rank = dist.get_rank(group) if world > 1 else 0
+    names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+    fakes, fake_mode = _fake_inputs(example_inputs)
+    variant = registry.variant(options.variant) if world > 1 else None
+    graph_id = next(_graph_ids)
+    report = Report(graph_id, options.variant, world, rank, options.backend)
+    ctx = CompileContext(
+        options=options,
+        registry=registry,
+        variant=variant,
+        group=group,
+        world=world,
+        rank=rank,
+        graph_id=graph_id,
+        hardware=None,  # set below, once the device is known
+        example_inputs=list(example_inputs),
+        fake_inputs=fakes,
+        fake_mode=fake_mode,
+        is_param=[_is_param(n, x) for n, x in zip(names, example_inputs)],
+        input_names=names,
+        report=report,
+    )
+    ctx.hardware = select_profile(ctx.device, tuple(registry.hardware.values()))
+    return ctx
+
+
+class _Partitioner:
+    """Joint-stage passes, then the partitioner the passes asked for."""
+
+    def __init__(self, manager: PassManager, ctx: CompileContext) -> None:
+        self.manager, self.ctx = manager, ctx
+
+    def __call__(self, joint: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any):
+        self.ctx.extra["num_fwd_outputs"] = kwargs["num_fwd_outputs"]
+        joint = self.manager.run(Stage.JOINT, joint, self.ctx)
+        kwargs.pop("compiler", None)
+        if self.ctx.min_cut or self.ctx.options.backend == "inductor":
+            return min_cut_rematerialization_partition(joint, joint_inputs, compiler="inductor", **kwargs)
+        kwargs.pop("static_lifetime_input_nodes", None)
+        return default_partition(joint, joint_inputs, **kwargs)
+
+
+def _inductor_partitioner(partition: _Partitioner) -> Any:
+    from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+    class AutoSPPartitioner(CustomPartitionerFn):
+        def __call__(self, gm, joint_inputs, **kwargs):
+            return partition(gm, joint_inputs, **kwargs)
+
+        def uuid(self) -> None:
+            # The partition depends on rank, group and plugin passes: never serve it from the cache.
+            return None
+
+    return AutoSPPartitioner()
+
+
+def compile_graph(
+    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: SPOptions, registry: Registry,
+    group: Any, world: int, reports: list[Report] | None = None,
+) -> Callable[..., Any]:
+    ctx = make_context(gm, example_inputs, options, registry, group, world)
+    manager = PassManager(list(registry.passes.values()), options.disable_passes)
+    ctx.report.passes = manager.records
+    if reports is not None:
+        reports.append(ctx.report)
+    gm = manager.run(Stage.GRAPH, gm, ctx)
+    partition = _Partitioner(manager, ctx)
+
+    if options.backend == "inductor":
+        from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+        def inner(g: torch.fx.GraphModule, ex: Sequence[Any], **kw: Any):
+            g = manager.run(Stage.BACKWARD if kw.get("is_backward") else Stage.FORWARD, g, ctx)
+            return compile_fx_inner(g, ex, **kw)
+
+        return compile_fx(
+            gm, list(example_inputs), inner_compile=inner,
+            config_patches={"custom_partitioner_fn": _inductor_partitioner(partition)},
+        )
+
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    def stage_compiler(stage: Stage):
+        def compile_stage(g: torch.fx.GraphModule, ex: Sequence[Any]):
+            return make_boxed_func(manager.run(stage, g, ctx).forward)
+
+        return compile_stage
+
+    return aot_module_simplified(
+        gm, list(example_inputs), fw_compiler=stage_compiler(Stage.FORWARD),
+        bw_compiler=stage_compiler(Stage.BACKWARD), partition_fn=partition,
+    )
+
+
+__all__ = ["compile_graph", "make_context"]

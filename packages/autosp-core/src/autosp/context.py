@@ -1,0 +1,70 @@
+"""Everything one compile knows: options, group, inputs, findings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from autosp.analysis.attention import AttentionSite
+from autosp.hardware import HardwareProfile
+from autosp.options import SPOptions
+from autosp.registry import Registry
+from autosp.report import Report
+from autosp.variants import SPVariant
+
+
+@dataclass
+class CompileContext:
+    """State shared by the passes of one compiled graph.
+
+    Attributes:
+        options: what the user asked for.
+        registry: loaded plugins.
+        variant: the selected SP variant (``None`` when ``world == 1``).
+        group: SP process group (``None`` when ``world == 1``).
+        world: SP group size; rank: this process' rank in it.
+        example_inputs: what Dynamo passed to the backend.
+        fake_inputs: the same as fake tensors of Dynamo's fake mode.
+        is_param: per input, whether it is a parameter or buffer (never sequence-shaped).
+        sites: attention sites found in the graph.
+        report: filled as passes run.
+        min_cut: set by passes that need the min-cut partitioner (recompute tags).
+    """
+
+    options: SPOptions
+    registry: Registry
+    variant: SPVariant | None
+    group: Any
+    world: int
+    rank: int
+    graph_id: int
+    hardware: HardwareProfile
+    example_inputs: list[Any]
+    fake_inputs: list[Any]
+    fake_mode: Any
+    is_param: list[bool]
+    input_names: list[str]
+    report: Report
+    sites: list[AttentionSite] = field(default_factory=list)
+    min_cut: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def sp(self) -> bool:
+        return self.world > 1
+
+    @property
+    def group_name(self) -> str:
+        return self.group.group_name
+
+    @property
+    def device(self) -> torch.device:
+        for x in self.example_inputs:
+            if isinstance(x, torch.Tensor):
+                return x.device
+        return torch.device("cpu")
+
+
+__all__ = ["CompileContext"]

@@ -1,0 +1,53 @@
+"""The hooks AutoSP plugins implement.
+
+Plugins are modules or objects listed under the ``autosp`` entry-point group
+(use your distribution name as the entry-point name).  Each registration hook
+receives a ``register`` callback, so plugins never touch the registry itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import pluggy
+
+if TYPE_CHECKING:
+    from autosp.analysis.attention import AttentionSpec
+    from autosp.hardware import HardwareProfile
+    from autosp.passes.manager import Pass
+    from autosp.variants import SPVariant
+
+PROJECT = "autosp"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+@hookspec
+def autosp_register_passes(register: Callable[[Pass], None]) -> None:
+    """Called once when the registry loads; call ``register(pass_)`` for each pass you provide."""
+
+
+@hookspec
+def autosp_register_variants(register: Callable[[SPVariant], None]) -> None:
+    """Called once when the registry loads; register SP variants (``variant="..."``)."""
+
+
+@hookspec
+def autosp_register_attention(register: Callable[[AttentionSpec], None]) -> None:
+    """Called once when the registry loads; register attention ops that SP variants must treat as attention."""
+
+
+@hookspec
+def autosp_register_hardware(register: Callable[[HardwareProfile], None]) -> None:
+    """Called once when the registry loads; register hardware profiles for cost models."""
+
+
+__all__ = [
+    "autosp_register_attention",
+    "autosp_register_hardware",
+    "autosp_register_passes",
+    "autosp_register_variants",
+    "hookimpl",
+    "hookspec",
+]

@@ -1,0 +1,92 @@
+"""Lowering the Dynamo graph to a functional aten graph with attention kept whole.
+
+SDPA is composite: traced as is, it becomes a backend kernel
+(``_scaled_dot_product_flash_attention_for_cpu``, cuDNN, ...) or, on the math
+path, a chain of matmuls in which no attention is left to find.  We put a leaf
+op in its place first, so every attention site reaches the SP rewrite as one node
+whatever the device; the rewrite calls real SDPA on local tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from autosp.analysis.attention import SDPA_SIGNATURE, AttentionSpec
+
+
+@torch.library.custom_op("autosp::sdpa", mutates_args=())
+def sdpa_leaf(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    return F.scaled_dot_product_attention(
+        query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+        enable_gqa=enable_gqa,
+    )
+
+
+@sdpa_leaf.register_fake
+def _(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    return query.new_empty((*query.shape[:-1], value.shape[-1]))
+
+
+def _no_backward(ctx: Any, grad: torch.Tensor) -> None:
+    raise RuntimeError("autosp::sdpa is a placeholder for lowering; the SP rewrite replaces it before autograd")
+
+
+sdpa_leaf.register_autograd(_no_backward, setup_context=lambda ctx, inputs, output: None)
+
+
+SDPA = AttentionSpec(
+    name="sdpa",
+    targets=(F.scaled_dot_product_attention,),
+    layout="BHSD",
+    mask="attn_mask",
+    causal="is_causal",
+    leaf=torch.ops.autosp.sdpa.default,
+    signature=SDPA_SIGNATURE,
+)
+
+
+def sdpa_args(args: tuple, kwargs: dict) -> dict[str, Any]:
+    """SDPA's arguments by name, defaults filled in."""
+    bound = dict(zip(SDPA_SIGNATURE, args))
+    bound.update(kwargs)
+    defaults = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
+    return {**defaults, **bound}
+
+
+def insert_leaves(gm: torch.fx.GraphModule, specs: Sequence[AttentionSpec]) -> int:
+    """Point attention calls at their leaf ops; return how many were replaced."""
+    leaf_of = {t: s.leaf for s in specs if s.leaf is not None for t in s.targets}
+    count = 0
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in leaf_of:
+            node.target = leaf_of[node.target]
+            count += 1
+    if count:
+        gm.recompile()
+    return count
+
+
+def lower_to_aten(gm: torch.fx.GraphModule, fake_inputs: Sequence[Any], fake_mode: Any) -> torch.fx.GraphModule:
+    """Trace ``gm`` into functional aten ops on fake inputs (meta ``val`` on every node)."""
+    from torch._dispatch.python import enable_python_dispatcher
+    from torch.func import functionalize
+
+    with fake_mode, enable_python_dispatcher():
+        return make_fx(functionalize(gm, remove="mutations"), pre_dispatch=False)(*fake_inputs)
+
+
+__all__ = ["SDPA", "insert_leaves", "lower_to_aten", "sdpa_args", "sdpa_leaf"]

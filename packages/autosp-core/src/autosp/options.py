@@ -1,0 +1,78 @@
+"""User options of one AutoSP compile, checked before anything runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch.distributed as dist
+
+from autosp.errors import ConfigError
+
+Backend = Literal["inductor", "aot_eager", "eager"]
+BACKENDS = ("inductor", "aot_eager", "eager")
+
+
+@dataclass(frozen=True)
+class SPOptions:
+    """Options of ``autosp.compile`` / ``autosp.backend``.
+
+    Attributes:
+        sp_size: ranks that share one sequence; ``None`` means the size of ``group``.
+        variant: SP variant, provided by a plugin package ("ulysses", "ring", ...).
+        sac: activation checkpointing: "auto" (cost model), True (save most memory), False (default partitioner).
+        group: the SP process group; ``None`` means the default group, or consecutive
+            subgroups of ``sp_size`` ranks when ``sp_size`` is smaller than the world.
+        backend: compiler that runs after the AutoSP passes.
+        disable_passes: names of passes to skip.
+        variant_options: options the variant reads (for example ``ulysses_degree``).
+    """
+
+    sp_size: int | None = None
+    variant: str = "ulysses"
+    sac: bool | Literal["auto"] = "auto"
+    group: Any = None
+    backend: Backend = "inductor"
+    disable_passes: tuple[str, ...] = ()
+    variant_options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"backend={self.backend!r} is not one of {BACKENDS}")
+        if self.sac not in (True, False, "auto"):
+            raise ConfigError(f"sac={self.sac!r}; use 'auto', True or False")
+        if self.sp_size is not None and (not isinstance(self.sp_size, int) or self.sp_size < 1):
+            raise ConfigError(f"sp_size={self.sp_size!r}; it must be a positive int or None")
+
+
+def resolve_group(options: SPOptions) -> tuple[Any, int]:
+    """The SP group and its size; raises before any collective when they do not fit."""
+    initialized = dist.is_available() and dist.is_initialized()
+    if options.sp_size in (None, 1) and not initialized and options.group is None:
+        return None, 1
+    if not initialized:
+        raise ConfigError(
+            f"sp_size={options.sp_size} needs an initialized process group: call "
+            "torch.distributed.init_process_group() on every rank (or launch with torchrun) before autosp.compile"
+        )
+    parent = options.group if options.group is not None else dist.group.WORLD
+    size = dist.get_world_size(parent)
+    sp = options.sp_size or size
+    if sp > size:
+        raise ConfigError(f"sp_size={sp} is larger than the process group ({size} ranks); use sp_size <= {size}")
+    if size % sp:
+        raise ConfigError(
+            f"sp_size={sp} does not divide the process group of {size} ranks; "
+            f"pick a divisor of {size} so every rank lands in exactly one SP group"
+        )
+    if sp == size:
+        return parent, sp
+    if options.group is not None:
+        raise ConfigError(
+            f"sp_size={sp} is smaller than the given group ({size} ranks); pass the SP group itself as group="
+        )
+    group, _ = dist.new_subgroups(group_size=sp)
+    return group, sp
+
+
+__all__ = ["BACKENDS", "Backend", "SPOptions", "resolve_group"]

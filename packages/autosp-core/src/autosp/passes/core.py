@@ -1,0 +1,122 @@
+"""The passes autosp-core provides: analysis, lowering, the SP rewrite, gradient sync, cleanup."""
+
+from __future__ import annotations
+
+import torch
+
+from autosp.analysis.attention import find_attention_sites
+from autosp.context import CompileContext
+from autosp.errors import AutoSPError
+from autosp.lowering import SDPA, insert_leaves, lower_to_aten
+from autosp.passes.manager import Pass, Stage
+from autosp.sharding import collectives as C
+from autosp.sharding.context import SPContext
+from autosp.sharding.dims import guess_seq_dim
+from autosp.sharding.propagate import shard_graph
+
+
+def _specs(ctx: CompileContext) -> list:
+    return [SDPA, *ctx.registry.attention.values()]
+
+
+def find_attention(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
+    ctx.sites = find_attention_sites(gm, _specs(ctx))
+    ctx.report.sites = list(ctx.sites)
+    if not ctx.sp:
+        return
+    if not ctx.sites:
+        raise AutoSPError(
+            "no attention site was found in the compiled graph, so AutoSP cannot tell where the sequence is "
+            "and would change results; use F.scaled_dot_product_attention, register your attention op with an "
+            "autosp plugin (autosp_register_attention), or compile with sp_size=1"
+        )
+    lengths = {s.seq_len for s in ctx.sites} | {s.kv_seq_len for s in ctx.sites}
+    if len(lengths) != 1:
+        raise AutoSPError(
+            f"attention sites disagree on the sequence length ({sorted(map(str, lengths))}); AutoSP shards "
+            "self-attention over one sequence; cross-attention with another length is not supported"
+        )
+    seq = lengths.pop()
+    if seq % ctx.world:
+        raise AutoSPError(
+            f"sequence length {seq} is not divisible by sp_size={ctx.world}; pad the batch to a multiple of "
+            f"{ctx.world} tokens (mask or ignore the padding in the loss)"
+        )
+    for site in ctx.sites:
+        ctx.variant.check(site, ctx.world)
+    ctx.extra["seq_len"] = seq
+    for name, x, param in zip(ctx.input_names, ctx.fake_inputs, ctx.is_param):
+        if isinstance(x, torch.Tensor):
+            dim = None if param else guess_seq_dim(x.shape, seq)
+            where = f"sequence axis {dim}" if dim is not None else "no sequence axis"
+            ctx.report.inputs.append(f"{name} {list(x.shape)}: {where}")
+
+
+def lower(gm: torch.fx.GraphModule, ctx: CompileContext) -> torch.fx.GraphModule:
+    insert_leaves(gm, _specs(ctx))
+    aten_gm = lower_to_aten(gm, ctx.fake_inputs, ctx.fake_mode)
+    # Sites again, now keyed by the lowered graph's node names.
+    ctx.sites = find_attention_sites(aten_gm, _specs(ctx))
+    return aten_gm
+
+
+def shard(gm: torch.fx.GraphModule, ctx: CompileContext) -> torch.fx.GraphModule:
+    sp = SPContext(
+        rank=ctx.rank,
+        world=ctx.world,
+        group_name=ctx.group_name,
+        seq_len=ctx.extra["seq_len"],
+        attention_rule=ctx.variant.attention_rule,
+        sites={s.name: s for s in ctx.sites},
+        variant_options=dict(ctx.options.variant_options),
+    )
+    out = shard_graph(gm, sp, ctx.fake_inputs, ctx.is_param, ctx.fake_mode)
+    ctx.report.collectives.update(sp.counts)
+    ctx.report.fallbacks.extend(sp.fallbacks)
+    return out
+
+
+def sync_grads(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
+    """All-reduce every input gradient over the SP group, inside the backward.
+
+    Inputs are replicated, so their gradients are partial sums over ranks (see
+    ``autosp.sharding.collectives``); after this every rank holds the true one.
+    """
+    num_fwd = ctx.extra["num_fwd_outputs"]
+    out = gm.graph.output_node()
+    flat = list(out.args[0])
+    for i in range(num_fwd, len(flat)):
+        grad = flat[i]
+        if not isinstance(grad, torch.fx.Node):
+            continue
+        with gm.graph.inserting_before(out):
+            synced = gm.graph.call_function(torch.ops.autosp.all_reduce.default, (grad, ctx.group_name, True))
+        synced.meta["val"] = grad.meta.get("val")
+        flat[i] = synced
+        ctx.report.collectives["grad_all_reduce"] += 1
+    out.args = (flat, *out.args[1:])
+    gm.graph.lint()
+    gm.recompile()
+
+
+def eliminate_dead_code(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
+    if gm.graph.eliminate_dead_code():
+        gm.recompile()
+
+
+def _sp(ctx: CompileContext) -> bool:
+    return ctx.sp
+
+
+PASSES = (
+    Pass("autosp.find_attention", Stage.GRAPH, find_attention, doc="find attention sites and their axes"),
+    Pass("autosp.lower", Stage.GRAPH, lower, requires=("autosp.find_attention",), applies=_sp,
+         doc="lower to functional aten, attention kept whole"),
+    Pass("autosp.shard", Stage.GRAPH, shard, requires=("autosp.lower",), applies=_sp,
+         doc="propagate placements; insert collectives and slices"),
+    Pass("autosp.sync_grads", Stage.JOINT, sync_grads, applies=_sp, doc="all-reduce input gradients"),
+    Pass("autosp.dce_forward", Stage.FORWARD, eliminate_dead_code, doc="drop dead nodes"),
+    Pass("autosp.dce_backward", Stage.BACKWARD, eliminate_dead_code, doc="drop dead recompute"),
+)
+
+__all__ = ["PASSES", "eliminate_dead_code", "find_attention", "lower", "shard", "sync_grads"]

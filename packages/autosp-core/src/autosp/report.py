@@ -1,0 +1,58 @@
+"""What AutoSP found and did for one compiled graph, in words and numbers."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from autosp.analysis.attention import AttentionSite
+from autosp.passes.manager import PassRecord
+
+
+@dataclass
+class Report:
+    """Provenance of one compiled graph; ``str(report)`` is the human-readable form."""
+
+    graph_id: int
+    variant: str
+    sp_size: int
+    rank: int
+    backend: str
+    sites: list[AttentionSite] = field(default_factory=list)
+    inputs: list[str] = field(default_factory=list)
+    passes: list[PassRecord] = field(default_factory=list)
+    collectives: Counter = field(default_factory=Counter)
+    fallbacks: list[str] = field(default_factory=list)
+    sac: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        lines = [
+            f"AutoSP graph {self.graph_id}: variant={self.variant} sp_size={self.sp_size} rank={self.rank} "
+            f"backend={self.backend}",
+            f"  attention sites: {len(self.sites)}",
+        ]
+        lines += [f"    {s.describe()}" for s in self.sites]
+        if self.inputs:
+            lines.append("  inputs:")
+            lines += [f"    {i}" for i in self.inputs]
+        if self.passes:
+            lines.append("  passes:")
+            lines += [
+                f"    {p.stage:8s} {p.name:28s} {p.seconds * 1e3:8.1f} ms  nodes {p.nodes_before} -> {p.nodes_after}"
+                for p in self.passes
+            ]
+        if self.collectives:
+            lines.append("  inserted: " + ", ".join(f"{k} x{v}" for k, v in sorted(self.collectives.items())))
+        if self.fallbacks:
+            lines.append(f"  gathered for ops without a sharding rule ({len(self.fallbacks)}):")
+            lines += [f"    {f}" for f in self.fallbacks]
+        if self.sac:
+            lines.append("  activation checkpointing:")
+            lines += [f"    {k}: {v}" for k, v in self.sac.items()]
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+__all__ = ["Report"]

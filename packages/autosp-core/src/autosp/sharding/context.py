@@ -1,0 +1,60 @@
+"""State shared by the sharding rules while one graph is rewritten."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from autosp.sharding.placement import IntLike, Placement, Ranges, even_ranges
+
+if TYPE_CHECKING:
+    from autosp.analysis.attention import AttentionSite
+
+
+@dataclass
+class SPValue:
+    """A value of the rewritten program: this rank's tensor, its placement, and the global meta value."""
+
+    local: torch.Tensor
+    placement: Placement
+    gval: torch.Tensor
+
+    @property
+    def ndim(self) -> int:
+        return self.gval.dim()
+
+
+AttentionRule = Callable[["SPContext", torch.fx.Node, "AttentionSite", tuple, dict], Any]
+
+
+@dataclass
+class SPContext:
+    """What the rules need to know about the SP group and the program.
+
+    Attributes:
+        rank: this process' rank in the SP group (baked into the traced graph).
+        world: size of the SP group.
+        group_name: name of the process group, resolved inside the collective ops.
+        seq_len: global sequence length found at the attention sites.
+        attention_rule: how the selected SP variant rewrites one attention site.
+        sites: attention sites by the name of their node in the lowered graph.
+    """
+
+    rank: int
+    world: int
+    group_name: str
+    seq_len: IntLike
+    attention_rule: AttentionRule
+    sites: dict[str, AttentionSite] = field(default_factory=dict)
+    counts: Counter = field(default_factory=Counter)
+    fallbacks: list[str] = field(default_factory=list)
+    variant_options: dict[str, Any] = field(default_factory=dict)
+
+    def even_ranges(self, length: IntLike) -> Ranges:
+        return even_ranges(length, self.world)
+
+    def note(self, what: str) -> None:
+        self.counts[what] += 1

@@ -1,0 +1,97 @@
+"""The SP rewrite: run the lowered graph on this rank's pieces, tracing what runs.
+
+Each node is evaluated by its sharding rule on ``SPValue``s under make_fx, so
+the resulting graph holds exactly the local computation plus the collectives
+and slices that the changes of placement need.  Graph inputs arrive whole on
+every rank (the user's contract) and start replicated; sharding begins where a
+token-wise op (embedding, matmul) first meets the sequence axis.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils import _pytree as pytree
+
+from autosp.sharding import collectives as C
+from autosp.sharding.context import SPContext, SPValue
+from autosp.sharding.dims import guess_seq_dim
+from autosp.sharding.placement import Partial, Replicate, SeqAxis, Shard
+from autosp.sharding.redistribute import gather
+from autosp.sharding.rules import RULES, all_replicated, elementwise, fallback, is_elementwise, replicated, values
+
+
+def _input_value(node: torch.fx.Node, x: Any, ctx: SPContext, is_param: bool) -> Any:
+    if not isinstance(x, torch.Tensor):
+        return x
+    dim = None if is_param else guess_seq_dim(x.shape, ctx.seq_len)
+    axis = SeqAxis(dim, ctx.seq_len) if dim is not None else None
+    return SPValue(x, Replicate(axis), node.meta.get("val", x))
+
+
+def evaluate(ctx: SPContext, node: torch.fx.Node, args: tuple, kwargs: dict) -> Any:
+    if node.target is operator.getitem:
+        return operator.getitem(args[0], args[1])
+    site = ctx.sites.get(node.name)
+    if site is not None:
+        return ctx.attention_rule(ctx, node, site, args, kwargs)
+    if "val" not in node.meta:
+        return fallback(ctx, node, args, kwargs) if values((args, kwargs)) else node.target(*args, **kwargs)
+    rule = RULES.get(node.target)
+    if rule is None and is_elementwise(node.target):
+        rule = elementwise
+    if rule is not None:
+        return rule(ctx, node, args, kwargs)
+    if all_replicated((args, kwargs)):
+        return replicated(ctx, node, args, kwargs)
+    return fallback(ctx, node, args, kwargs)
+
+
+def finish(ctx: SPContext, v: Any) -> Any:
+    """Whole outputs on every rank, with backward formulas for a gradient that arrives whole."""
+    if not isinstance(v, SPValue):
+        return v
+    if isinstance(v.placement, Replicate):
+        if v.local.is_floating_point():
+            # Gradients of replicated values are kept partial: each rank takes 1/P of the incoming one.
+            return C.scale_grad(v.local, 1.0 / ctx.world)
+        return v.local
+    return gather(ctx, v, for_output=True)
+
+
+def shard_graph(
+    gm: torch.fx.GraphModule,
+    ctx: SPContext,
+    fake_inputs: Sequence[Any],
+    is_param: Sequence[bool],
+    fake_mode: Any,
+) -> torch.fx.GraphModule:
+    """The graph this rank runs; ``gm`` is the lowered, functional aten graph."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+    def run(*inputs: Any) -> Any:
+        env: dict[torch.fx.Node, Any] = {}
+        for node, x, param in zip(placeholders, inputs, is_param):
+            env[node] = _input_value(node, x, ctx, param)
+        for node in gm.graph.nodes:
+            if node.op == "call_function":
+                args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
+                env[node] = evaluate(ctx, node, args, kwargs)
+            elif node.op == "output":
+                outs = torch.fx.node.map_arg(node.args[0], lambda n: env[n])
+                return pytree.tree_map(lambda v: finish(ctx, v), outs, is_leaf=lambda x: isinstance(x, SPValue))
+            elif node.op != "placeholder":
+                raise NotImplementedError(f"unexpected node {node.op} in the lowered graph")
+        raise AssertionError("graph has no output")
+
+    from torch._dispatch.python import enable_python_dispatcher
+
+    with fake_mode, enable_python_dispatcher():
+        return make_fx(run, pre_dispatch=False)(*fake_inputs)
+
+
+__all__ = ["evaluate", "finish", "shard_graph"]

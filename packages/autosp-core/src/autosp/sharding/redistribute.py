@@ -1,0 +1,78 @@
+"""Changes of placement: a free local slice, or a collective."""
+
+from __future__ import annotations
+
+import torch
+
+from autosp.sharding import collectives as C
+from autosp.sharding.context import SPContext, SPValue
+from autosp.sharding.placement import HeadShard, IntLike, Partial, Ranges, Replicate, SeqAxis, Shard
+
+
+def _split_axis(
+    x: torch.Tensor, dim: int, outer: IntLike, length: IntLike, inner: IntLike
+) -> tuple[torch.Tensor, int]:
+    """View ``dim`` as (outer, length, inner) when needed; return the view and the sequence dim."""
+    if inner == 1 and outer == 1:
+        return x, dim
+    shape = [*x.shape[:dim], outer, length, inner, *x.shape[dim + 1 :]]
+    return x.reshape(shape), dim + 1
+
+
+def _merge_axis(x: torch.Tensor, dim: int, folded: bool) -> torch.Tensor:
+    if not folded:
+        return x
+    shape = [*x.shape[: dim - 1], -1, *x.shape[dim + 2 :]]
+    return x.reshape(shape)
+
+
+def slice_to(ctx: SPContext, full: torch.Tensor, dim: int, axis: SeqAxis, ranges: Ranges) -> torch.Tensor:
+    """This rank's interval of a replicated tensor whose ``dim`` carries ``axis``."""
+    lo, hi = ranges[ctx.rank]
+    view, sdim = _split_axis(full, dim, axis.outer(full.shape[dim]), axis.length, axis.inner)
+    part = view.narrow(sdim, lo, hi - lo)
+    if sdim != dim:
+        return _merge_axis(part, sdim, True)
+    return part
+
+
+def gather(ctx: SPContext, v: SPValue, *, for_output: bool = False) -> torch.Tensor:
+    """The whole value on every rank."""
+    p = v.placement
+    if isinstance(p, Replicate):
+        return v.local
+    if isinstance(p, Partial):
+        ctx.note("all_reduce")
+        return C.all_reduce(v.local, ctx.group_name, for_output)
+    if isinstance(p, HeadShard):
+        ctx.note("all_gather")
+        sizes = [hi - lo for lo, hi in p.ranges]
+        return C.all_gather(v.local.contiguous(), p.dim, sizes, ctx.group_name, for_output)
+    assert isinstance(p, Shard)
+    ctx.note("all_gather")
+    outer = p.axis.outer(v.gval.shape[p.axis.dim])
+    view, sdim = _split_axis(v.local, p.axis.dim, outer, p.local_length(ctx.rank), p.axis.inner)
+    folded = sdim != p.axis.dim
+    sizes = [hi - lo for lo, hi in p.ranges]
+    full = C.all_gather(view.contiguous(), sdim, sizes, ctx.group_name, for_output)
+    return _merge_axis(full, sdim, folded)
+
+
+def to_replicate(ctx: SPContext, v: SPValue, why: str = "") -> SPValue:
+    if isinstance(v.placement, Replicate):
+        return v
+    if why and not isinstance(v.placement, Partial):
+        ctx.fallbacks.append(why)
+    return SPValue(gather(ctx, v), Replicate(), v.gval)
+
+
+def to_shard(ctx: SPContext, v: SPValue, dim: int, target: Shard) -> torch.Tensor:
+    """``v`` laid out like ``target`` along its own dimension ``dim``."""
+    p = v.placement
+    if isinstance(p, Shard) and p.axis.dim == dim and p.same_layout(target):
+        return v.local
+    full = gather(ctx, v) if not isinstance(p, Replicate) else v.local
+    return slice_to(ctx, full, dim, target.axis, target.ranges)
+
+
+__all__ = ["gather", "slice_to", "to_replicate", "to_shard"]

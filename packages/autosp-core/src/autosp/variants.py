@@ -1,0 +1,35 @@
+"""SP variants: how attention sites are rewritten, and what a variant needs checked."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from autosp.analysis.attention import AttentionSite
+    from autosp.sharding.context import AttentionRule
+
+
+@dataclass(frozen=True)
+class SPVariant:
+    """A sequence-parallel strategy.
+
+    Attributes:
+        name: the ``variant=`` value that selects it.
+        attention_rule: rewrites one attention site on this rank (see ``autosp.sharding``).
+        check: raises ``AutoSPError`` for sites the variant cannot handle exactly, with
+            what to do instead; runs at compile time, before any collective.
+        doc: one line for reports.
+    """
+
+    name: str
+    attention_rule: AttentionRule
+    check: Callable[[AttentionSite, int], None] = lambda site, world: None
+    doc: str = ""
+
+
+# Where the first-party variants live, so a missing one can be named.
+KNOWN_PACKAGES = {"ulysses": "autosp-ulysses", "ring": "autosp-ring", "hybrid": "autosp-ring"}
+
+__all__ = ["KNOWN_PACKAGES", "SPVariant"]
