@@ -46,8 +46,8 @@ def find_attention(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
         ctx.variant.check(site, ctx.world)
     ctx.extra["seq_len"] = seq
     for name, x, param in zip(ctx.input_names, ctx.fake_inputs, ctx.is_param):
-        if isinstance(x, torch.Tensor):
-            dim = None if param else guess_seq_dim(x.shape, seq)
+        if isinstance(x, torch.Tensor) and not param:
+            dim = guess_seq_dim(x.shape, seq)
             where = f"sequence axis {dim}" if dim is not None else "no sequence axis"
             ctx.report.inputs.append(f"{name} {list(x.shape)}: {where}")
 

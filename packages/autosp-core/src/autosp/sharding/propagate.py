@@ -84,6 +84,10 @@ def shard_graph(
             elif node.op == "output":
                 outs = torch.fx.node.map_arg(node.args[0], lambda n: env[n])
                 return pytree.tree_map(lambda v: finish(ctx, v), outs, is_leaf=lambda x: isinstance(x, SPValue))
+            elif node.op == "get_attr":
+                value = getattr(gm, node.target)
+                is_tensor = isinstance(value, torch.Tensor)
+                env[node] = SPValue(value, Replicate(), node.meta.get("val", value)) if is_tensor else value
             elif node.op != "placeholder":
                 raise NotImplementedError(f"unexpected node {node.op} in the lowered graph")
         raise AssertionError("graph has no output")

@@ -378,10 +378,15 @@ def unbind_rule(ctx, node, args, kwargs):
 
 @rule(aten.cat.default)
 def cat_rule(ctx, node, args, kwargs):
-    tensors = list(args[0])
     dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
     out_val = node.meta["val"]
     dim = normalize_dim(dim, out_val.dim())
+    # cat skips 1-D empty tensors (an empty KV cache, say); so do we.
+    tensors = [t for t in args[0] if not (t.ndim == 1 and t.gval.numel() == 0)]
+    if len(tensors) == 1 and tensors[0].ndim == out_val.dim():
+        only = tensors[0]
+        return SPValue(only.local.clone(), only.placement, out_val)
+    args = (tensors, *args[1:])
     if all_replicated(tensors):
         axis = next((t.placement.axis for t in tensors if t.placement.axis and t.placement.axis.dim != dim), None)
         return replicated(ctx, node, args, kwargs, axis)
@@ -389,7 +394,7 @@ def cat_rule(ctx, node, args, kwargs):
     if lead is None or lead.placement.axis.dim == dim or any(isinstance(t.placement, (Partial, HeadShard)) for t in tensors):
         return fallback(ctx, node, args, kwargs)
     target = lead.placement
-    parts = [to_shard(ctx, t, target.axis.dim, target) for t in tensors if t.gval.numel() or t.ndim > 1]
+    parts = [to_shard(ctx, t, target.axis.dim, target) for t in tensors]
     return SPValue(torch.cat(parts, dim), Shard(target.axis, target.ranges), out_val)
 
 

@@ -1,0 +1,1 @@
+"""AutoSP tools."""

@@ -1,0 +1,5 @@
+"""Placeholder replaced by the training CLI."""
+
+
+def main() -> None:
+    print("autosp-train: under construction")
