@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import pickle
 import sys
@@ -20,7 +21,10 @@ def _worker(rank: int, world: int, store_path: str, out_dir: str, fn: Callable[.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    # A collective that one rank skips must fail the test, not hang it.
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120)
+    )
     result: Any
     try:
         result = ("ok", fn(rank, world, *args))

@@ -24,8 +24,7 @@ class AutoSPBackend:
         self.options = options
         self.registry = get_registry()
         self.group, self.world = resolve_group(options)
-        if self.world > 1:
-            self.registry.variant(options.variant)
+        self.registry.variant(options.variant)
         self.reports: list[Report] = []
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:

@@ -84,18 +84,28 @@ class _Partitioner:
         return default_partition(joint, joint_inputs, **kwargs)
 
 
-def _inductor_partitioner(partition: _Partitioner) -> Any:
+def _custom_partitioner_base() -> type:
     from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
-    class AutoSPPartitioner(CustomPartitionerFn):
-        def __call__(self, gm, joint_inputs, **kwargs):
-            return partition(gm, joint_inputs, **kwargs)
+    return CustomPartitionerFn
 
-        def uuid(self) -> None:
-            # The partition depends on rank, group and plugin passes: never serve it from the cache.
-            return None
 
-    return AutoSPPartitioner()
+class InductorPartitioner(_custom_partitioner_base()):
+    """Inductor's custom-partitioner hook around ``_Partitioner``."""
+
+    def __init__(self, partition: _Partitioner) -> None:
+        self.partition = partition
+
+    def __call__(self, gm, joint_inputs, **kwargs):
+        return self.partition(gm, joint_inputs, **kwargs)
+
+    def uuid(self) -> None:
+        # The partition depends on rank, group and plugin passes: never serve it from the cache.
+        return None
+
+    def __reduce__(self):
+        # Inductor pickles config for its cache key; the key is unused since uuid() is None.
+        return (str, ("autosp-partitioner",))
 
 
 def compile_graph(
@@ -119,7 +129,7 @@ def compile_graph(
 
         return compile_fx(
             gm, list(example_inputs), inner_compile=inner,
-            config_patches={"custom_partitioner_fn": _inductor_partitioner(partition)},
+            config_patches={"custom_partitioner_fn": InductorPartitioner(partition)},
         )
 
     from torch._functorch.aot_autograd import make_boxed_func

@@ -50,7 +50,8 @@ class Registry:
         raise ConfigError(f"unknown SP variant {name!r}; installed variants: {', '.join(known)}")
 
     def plugin_names(self) -> list[str]:
-        return sorted(name for name, _ in self.manager.list_name_plugin())
+        # pluggy keeps blocked names mapped to None.
+        return sorted(name for name, plugin in self.manager.list_name_plugin() if plugin is not None)
 
 
 def _adder(kind: str, table: dict[str, Any]):

@@ -20,23 +20,33 @@ def _specs(ctx: CompileContext) -> list:
 
 
 def find_attention(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
+    if not ctx.sp:
+        # Only for the report: one rank changes nothing, so odd attention shapes are fine.
+        try:
+            ctx.report.sites = find_attention_sites(gm, _specs(ctx))
+        except AutoSPError as e:
+            ctx.report.notes.append(f"attention analysis skipped: {e}")
+        return
     ctx.sites = find_attention_sites(gm, _specs(ctx))
     ctx.report.sites = list(ctx.sites)
-    if not ctx.sp:
-        return
     if not ctx.sites:
         raise AutoSPError(
             "no attention site was found in the compiled graph, so AutoSP cannot tell where the sequence is "
             "and would change results; use F.scaled_dot_product_attention, register your attention op with an "
             "autosp plugin (autosp_register_attention), or compile with sp_size=1"
         )
-    lengths = {s.seq_len for s in ctx.sites} | {s.kv_seq_len for s in ctx.sites}
-    if len(lengths) != 1:
+    lengths = [s.seq_len for s in ctx.sites] + [s.kv_seq_len for s in ctx.sites]
+    if any(not isinstance(n, int) for n in lengths):
         raise AutoSPError(
-            f"attention sites disagree on the sequence length ({sorted(map(str, lengths))}); AutoSP shards "
+            "dynamic sequence lengths are not supported with sp_size > 1 yet; compile with dynamic=False "
+            "(each new length recompiles) or pad batches to a few fixed lengths"
+        )
+    if len(set(lengths)) != 1:
+        raise AutoSPError(
+            f"attention sites disagree on the sequence length ({sorted(set(lengths))}); AutoSP shards "
             "self-attention over one sequence; cross-attention with another length is not supported"
         )
-    seq = lengths.pop()
+    seq = lengths[0]
     if seq % ctx.world:
         raise AutoSPError(
             f"sequence length {seq} is not divisible by sp_size={ctx.world}; pad the batch to a multiple of "
@@ -71,7 +81,10 @@ def shard(gm: torch.fx.GraphModule, ctx: CompileContext) -> torch.fx.GraphModule
         variant_options=dict(ctx.options.variant_options),
     )
     out = shard_graph(gm, sp, ctx.fake_inputs, ctx.is_param, ctx.fake_mode)
-    ctx.report.collectives.update(sp.counts)
+    for node in out.graph.nodes:
+        if node.op == "call_function" and node.target in C.COLLECTIVE_OPS:
+            ctx.report.collectives[node.target._opname] += 1
+    ctx.report.collectives["shard_start"] += sp.counts["shard_start"]
     ctx.report.fallbacks.extend(sp.fallbacks)
     return out
 

@@ -344,7 +344,8 @@ def select_rule(ctx, node, args, kwargs):
     if lo <= index < hi:
         out = v.local.select(dim, index - lo)
     else:
-        out = v.local.new_zeros(node.meta["val"].shape)
+        # Zeros that still depend on the input: every rank must need the same backward collectives.
+        out = v.local.sum(dim) * 0
     return SPValue(out, Partial(), node.meta["val"])
 
 

@@ -1,0 +1,97 @@
+"""Workers for the multi-process equivalence suite: each builds models, runs them compiled, returns numbers.
+
+Module-level functions, since spawned processes import them by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import autosp
+from models import Config, GPT2Like, LlamaLike, MeanPoolClassifier
+
+
+def hf_model(kind: str, heads: int = 4, kv_heads: int = 2) -> torch.nn.Module:
+    import transformers
+
+    common = dict(
+        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, max_position_embeddings=256, attn_implementation="sdpa", use_cache=False,
+    )
+    if kind == "hf-llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+
+
+def build(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if name == "llama":
+        return LlamaLike(Config())
+    if name == "llama-window":
+        return LlamaLike(Config(window=9))
+    if name == "llama-mqa":
+        return LlamaLike(Config(heads=4, kv_heads=1))
+    if name == "gpt2":
+        return GPT2Like(Config(heads=4))
+    if name == "pool":
+        return MeanPoolClassifier(Config())
+    return hf_model(name)
+
+
+def call(model: Any, name: str, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The scalar loss of one step, plus any sequence-shaped output folded in."""
+    if name.startswith("hf-"):
+        out = model(input_ids=batch["ids"], labels=batch["labels"], attention_mask=batch.get("mask"))
+        return out.loss, out.logits
+    if name == "pool":
+        return model(batch["ids"], batch["y"]), None
+    if name == "gpt2":
+        return model(batch["ids"], batch["labels"])
+    return model(batch["ids"], batch["labels"], batch.get("mask")), None
+
+
+def step(model: Any, name: str, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+    loss, seq_out = call(model, name, batch)
+    total = loss if seq_out is None else loss + seq_out.float().pow(2).mean() * 1e-3
+    total.backward()
+    params = model._orig_mod if hasattr(model, "_orig_mod") else model
+    return {
+        "loss": loss.detach(),
+        "seq_out": None if seq_out is None else seq_out.detach(),
+        "grads": {n: p.grad.detach().clone() for n, p in params.named_parameters() if p.grad is not None},
+    }
+
+
+def reference(name: str, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+    return step(build(name), name, batch)
+
+
+def run_compiled(rank: int, world: int, names: list[str], batches: dict, backend: str) -> dict[str, Any]:
+    results = {}
+    for name in names:
+        model = build(name)
+        compiled = autosp.compile(model, backend=backend, fullgraph=True)
+        out = step(compiled, name, batches[name])
+        report = compiled.autosp_reports[0]
+        out["collectives"] = dict(report.collectives)
+        out["fallbacks"] = list(report.fallbacks)
+        out["layers"] = len(report.sites)
+        results[name] = out
+    return results
+
+
+def matmul_shapes(rank: int, world: int, batch: dict[str, torch.Tensor], backend: str) -> list[list[int]]:
+    """Input shapes of every matmul the compiled forward and backward run (after a warm-up step)."""
+    model = build("llama")
+    compiled = autosp.compile(model, backend=backend, fullgraph=True)
+    step(compiled, "llama", batch)
+    model.zero_grad()
+    with torch.profiler.profile(record_shapes=True) as prof:
+        step(compiled, "llama", batch)
+    shapes = []
+    for evt in prof.events():
+        if evt.name in ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear"):
+            shapes.extend(list(s) for s in evt.input_shapes if s)
+    return shapes

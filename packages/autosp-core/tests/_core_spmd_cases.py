@@ -1,0 +1,88 @@
+"""Functions that run on every rank of a ``harness.run_spmd`` launch (module-level, so spawn can pickle them)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+COLLECTIVES = (
+    "all_gather", "all_gather_into_tensor", "all_reduce", "all_to_all", "all_to_all_single", "broadcast",
+    "reduce_scatter", "reduce_scatter_tensor", "barrier", "new_group", "new_subgroups",
+)
+
+
+def _error_of(fn) -> tuple[str, str] | None:
+    """(type, message) of what ``fn`` raises; Dynamo's wrapper is unwrapped to the backend's error."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001
+        inner = getattr(e, "inner_exception", None)
+        if inner is not None:
+            return (f"{type(e).__name__}>{type(inner).__name__}", str(inner))
+        return (type(e).__name__, str(e))
+    return None
+
+
+def config_errors(rank: int, world: int) -> dict[str, Any]:
+    """Every bad-input case on a real process group; collectives are trapped to prove none ran."""
+    import autosp
+    from _core_helpers import MLP
+    from models import Config, GPT2Like
+
+    called: list[str] = []
+    saved = {name: getattr(dist, name) for name in COLLECTIVES}
+
+    def trap(name):
+        def collective(*args, **kwargs):
+            called.append(name)
+            raise RuntimeError(f"collective {name} called")
+
+        return collective
+
+    for name in COLLECTIVES:
+        setattr(dist, name, trap(name))
+    torch.manual_seed(0)
+    gpt = GPT2Like(Config(heads=4, layers=1))
+    results: dict[str, Any] = {}
+    try:
+        ids8 = torch.randint(0, 96, (1, 8))
+        ids9 = torch.randint(0, 96, (1, 9))
+        cases = {
+            "unknown_variant": lambda: autosp.compile(gpt, variant="nope"),
+            "ring_variant": lambda: autosp.compile(gpt, variant="ring"),
+            "sp_not_dividing": lambda: autosp.compile(gpt, sp_size=2),
+            "sp_too_large": lambda: autosp.compile(gpt, sp_size=world + 1),
+            "bad_backend": lambda: autosp.compile(gpt, sp_size=world, backend="tvm"),
+            "group_and_smaller_sp": lambda: autosp.compile(gpt, sp_size=1, group=dist.group.WORLD),
+            "no_attention": lambda: autosp.compile(MLP(), backend="aot_eager")(torch.randn(1, 6, 16)),
+            "seq_not_divisible": lambda: autosp.compile(gpt, backend="aot_eager")(ids8, ids8),
+            "heads_not_divisible": lambda: autosp.compile(gpt, backend="aot_eager")(ids9, ids9),
+            "cross_attention": lambda: autosp.compile(_cross_attention, backend="aot_eager")(
+                torch.randn(1, 9, 12), torch.randn(1, 6, 12)),
+        }
+        for key, case in cases.items():
+            torch._dynamo.reset()
+            results[key] = _error_of(case)
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+    results["collectives_called"] = called
+
+    # Dynamic shapes (as after a recompile on a new length): runs for real once it compiles.
+    torch._dynamo.reset()
+    model = GPT2Like(Config(dim=48, heads=6, layers=1))
+
+    def dynamic():
+        loss, _ = autosp.compile(model, backend="aot_eager", dynamic=True)(ids9, ids9)
+        results["dynamic_loss"] = (loss.item(), model(ids9, ids9)[0].item())
+
+    results["dynamic"] = _error_of(dynamic)
+    return results
+
+
+def _cross_attention(x, memory):
+    q = x.view(1, x.shape[1], 3, 4).transpose(1, 2)
+    kv = memory.view(1, memory.shape[1], 3, 4).transpose(1, 2)
+    return torch.nn.functional.scaled_dot_product_attention(q, kv, kv).sum()

@@ -1,0 +1,146 @@
+"""One process, no process group: AutoSP is the identity transform."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.testing import assert_close
+
+import autosp
+
+from _core_helpers import TinyAttention
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_dynamo_backend_entry_point():
+    assert "autosp" in torch._dynamo.list_backends(exclude_tags=())
+
+
+@pytest.fixture(scope="module")
+def inductor_run():
+    """``torch.compile(model, backend="autosp")``: default options, Inductor after AutoSP, forward and backward."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    codecache = logging.getLogger("torch._inductor.codecache")
+    codecache.addHandler(handler)
+    try:
+        torch.manual_seed(0)
+        eager = TinyAttention()
+        model = copy.deepcopy(eager)
+        x = torch.randn(2, 8, 16)
+        out = torch.compile(model, backend="autosp")(x)
+        out.square().mean().backward()
+    finally:
+        codecache.removeHandler(handler)
+    ref = eager(x)
+    ref.square().mean().backward()
+    return {"out": out, "ref": ref, "model": model, "eager": eager, "logs": records}
+
+
+def test_torch_compile_backend_autosp_equals_eager(inductor_run):
+    assert_close(inductor_run["out"], inductor_run["ref"])
+    got = dict(inductor_run["model"].named_parameters())
+    for name, grad in _grads(inductor_run["eager"]).items():
+        assert_close(got[name].grad, grad, msg=name)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: the Inductor custom partitioner is a local class (_inductor_partitioner.<locals>.AutoSPPartitioner); "
+    "Inductor fails to pickle it for its cache key and logs a warning with a traceback on every compile",
+)
+def test_inductor_compile_logs_no_cache_key_warning(inductor_run):
+    messages = [r.getMessage() for r in inductor_run["logs"] if r.levelno >= logging.WARNING]
+    assert not any("Failed to pickle cache key" in m for m in messages), messages
+
+
+@pytest.fixture(scope="module")
+def llama_run():
+    from models import Config, LlamaLike
+
+    torch.manual_seed(0)
+    eager = LlamaLike(Config(layers=2))
+    model = copy.deepcopy(eager)
+    ids = torch.randint(0, 96, (2, 16))
+    labels = ids.clone()
+    labels[0, :3] = -100
+    compiled = autosp.compile(model, sp_size=1, backend="aot_eager")
+    loss = compiled(ids, labels)
+    loss.backward()
+    ref = eager(ids, labels)
+    ref.backward()
+    return {"loss": loss, "ref": ref, "model": model, "eager": eager, "reports": compiled.autosp_reports}
+
+
+def test_sp1_loss_equals_eager(llama_run):
+    assert_close(llama_run["loss"], llama_run["ref"])
+
+
+def test_sp1_every_gradient_equals_eager(llama_run):
+    got, want = _grads(llama_run["model"]), _grads(llama_run["eager"])
+    assert set(got) == set(want) and len(got) == 21
+    for name in want:
+        assert_close(got[name], want[name], msg=name)
+
+
+def test_sp1_report_shows_no_rewrite(llama_run):
+    (report,) = llama_run["reports"]
+    assert (report.sp_size, report.rank, report.variant, report.backend) == (1, 0, "ulysses", "aot_eager")
+    assert [r.name for r in report.passes] == ["autosp.find_attention", "autosp.dce_forward", "autosp.dce_backward"]
+    assert not report.collectives and not report.fallbacks
+    assert len(report.sites) == 2
+    assert "attention sites: 2" in str(report)
+
+
+def test_sp1_eager_backend_tuple_outputs():
+    from models import Config, GPT2Like
+
+    torch.manual_seed(0)
+    eager = GPT2Like(Config(layers=1))
+    model = copy.deepcopy(eager)
+    ids = torch.randint(0, 96, (2, 8))
+    loss, logits = autosp.compile(model, sp_size=1, backend="eager")(ids, ids)
+    ref_loss, ref_logits = eager(ids, ids)
+    assert_close(loss, ref_loss)
+    assert_close(logits, ref_logits)
+    loss.backward()
+    ref_loss.backward()
+    for name, grad in _grads(eager).items():
+        assert_close(dict(model.named_parameters())[name].grad, grad, msg=name)
+
+
+def test_sp1_recompiles_with_dynamic_shapes():
+    from models import Config, GPT2Like
+
+    torch.manual_seed(0)
+    model = GPT2Like(Config(layers=1))
+    compiled = autosp.compile(model, sp_size=1, backend="aot_eager")
+    for seq in (8, 12, 16):  # the second length makes Dynamo recompile with a symbolic length
+        ids = torch.randint(0, 96, (2, seq))
+        assert_close(compiled(ids, ids)[0], model(ids, ids)[0])
+    assert len(compiled.autosp_reports) == 2
+    assert not isinstance(compiled.autosp_reports[-1].sites[0].seq_len, int)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: with sp_size=1 the find_attention pass still infers axes and raises AutoSPError for SDPA "
+    "called on 3-D (or 5-D) tensors, which torch supports; sp_size=1 should be the identity",
+)
+def test_sp1_accepts_3d_sdpa():
+    lin = torch.nn.Linear(8, 24)
+
+    def f(x):
+        q, k, v = lin(x).chunk(3, -1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).sum()
+
+    x = torch.randn(2, 6, 8)
+    assert_close(autosp.compile(f, sp_size=1, backend="aot_eager")(x), f(x))
