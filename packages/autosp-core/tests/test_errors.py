@@ -55,10 +55,10 @@ def test_unknown_and_uninstalled_variants(fresh_registry, monkeypatch):
         get_registry().variant("nope")
 
 
-def test_sp_size_1_does_not_need_the_variant():
-    # One rank runs no SP rewrite, so the variant is not looked up (works without any variant plugin).
-    be = autosp.backend(sp_size=1, variant="nope")
-    assert be.world == 1 and be.group is None
+def test_misspelt_variant_is_caught_on_one_rank_too():
+    # A typo must not pass silently just because the first run happens on one process.
+    with pytest.raises(autosp.ConfigError, match="unknown SP variant 'nope'"):
+        autosp.backend(sp_size=1, variant="nope")
 
 
 # --- a real process group of 3 ranks --------------------------------------------------------------------
@@ -144,12 +144,6 @@ def test_spmd_cross_attention_lengths_disagree(spmd_errors):
     assert "attention sites disagree on the sequence length" in msg and "cross-attention" in msg
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: with dynamic shapes (dynamic=True, or automatic dynamic after a new sequence length) and "
-    "sp_size>1, find_attention puts SymInt sequence lengths in a set: TypeError 'unhashable type: non-nested SymInt' "
-    "instead of working or a clear AutoSPError",
-)
 def test_spmd_dynamic_shapes_work_or_fail_clearly(spmd_errors):
     for r in spmd_errors:
         if r["dynamic"] is None:

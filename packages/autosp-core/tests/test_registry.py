@@ -161,11 +161,6 @@ def test_block_first_party_plugin(fresh_registry, monkeypatch):
         reg.variant("ulysses")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: Registry.plugin_names() lists blocked names (pluggy keeps them mapped to None), "
-    "so a blocked plugin, and any name in AUTOSP_BLOCK_PLUGINS, is reported as loaded",
-)
 def test_plugin_names_omit_blocked(fresh_registry, monkeypatch):
     monkeypatch.setenv(BLOCK_ENV, "autosp-ulysses,nothing-such")
     names = get_registry().plugin_names()

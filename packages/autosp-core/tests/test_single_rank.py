@@ -52,11 +52,6 @@ def test_torch_compile_backend_autosp_equals_eager(inductor_run):
         assert_close(got[name].grad, grad, msg=name)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: the Inductor custom partitioner is a local class (_inductor_partitioner.<locals>.AutoSPPartitioner); "
-    "Inductor fails to pickle it for its cache key and logs a warning with a traceback on every compile",
-)
 def test_inductor_compile_logs_no_cache_key_warning(inductor_run):
     messages = [r.getMessage() for r in inductor_run["logs"] if r.levelno >= logging.WARNING]
     assert not any("Failed to pickle cache key" in m for m in messages), messages
@@ -130,11 +125,6 @@ def test_sp1_recompiles_with_dynamic_shapes():
     assert not isinstance(compiled.autosp_reports[-1].sites[0].seq_len, int)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: with sp_size=1 the find_attention pass still infers axes and raises AutoSPError for SDPA "
-    "called on 3-D (or 5-D) tensors, which torch supports; sp_size=1 should be the identity",
-)
 def test_sp1_accepts_3d_sdpa():
     lin = torch.nn.Linear(8, 24)
 

@@ -23,7 +23,8 @@ def find_attention(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
     if not ctx.sp:
         # Only for the report: one rank changes nothing, so odd attention shapes are fine.
         try:
-            ctx.report.sites = find_attention_sites(gm, _specs(ctx))
+            ctx.sites = find_attention_sites(gm, _specs(ctx))
+            ctx.report.sites = list(ctx.sites)
         except AutoSPError as e:
             ctx.report.notes.append(f"attention analysis skipped: {e}")
         return
