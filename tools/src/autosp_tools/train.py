@@ -6,14 +6,17 @@ own gloo processes, or, under torchrun, uses the process group torchrun set up.
 
 Every rank calls the compiled model with the same full-length batch and gets the
 single-device loss; AutoSP already all-reduces the gradients inside the SP group,
-so the loop below is an ordinary single-device loop. Only when there are several
-SP groups (``--nproc`` a multiple of ``--sp-size``) do the groups train on
-different rows and average their gradients (data parallelism across groups).
+so the loop below is an ordinary single-device loop. With several SP groups
+(``--dp`` > 1, or ``--nproc`` a multiple of ``--sp-size``) the ranks form a
+dp x sp mesh: each SP group trains on different rows of the global batch and
+DDP, FSDP2 or DeepSpeed ZeRO averages gradients over the dp group only
+(see ``autosp_tools.parallel``).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import os
 import sys
@@ -30,6 +33,18 @@ from autosp_tools import checkpoint
 from autosp_tools.dataset import VOCAB_SIZE, batch_at, load_tokens
 from autosp_tools.memory import peak_rss_mb, rss_mb
 from autosp_tools.model import PRESETS, ModelConfig, build_model, count_params, resolve_impl
+from autosp_tools.parallel import (
+    DATA_PARALLEL,
+    DEEPSPEED_STAGES,
+    TorchTrainer,
+    Trainer,
+    deepspeed_config,
+    deepspeed_trainer,
+    make_groups,
+    mean_over_dp,
+    shard_model,
+    wrap_data_parallel,
+)
 
 BACKENDS = ("aot_eager", "inductor", "eager", "none")
 SAC_CHOICES: dict[str, bool | str] = {"auto": "auto", "true": True, "false": False}
@@ -45,6 +60,8 @@ class TrainConfig:
     seq_len: int
     sp_size: int
     nproc: int
+    data_parallel: str
+    deepspeed: int | None
     variant: str
     sac: bool | str
     backend: str
@@ -132,8 +149,14 @@ def build_parser() -> argparse.ArgumentParser:
     s = p.add_argument_group("parallelism and compile")
     s.add_argument("--seq-len", type=int, default=1024)
     s.add_argument("--sp-size", type=int, default=2, help="ranks that share one sequence")
+    s.add_argument("--dp", type=int, default=None,
+                   help="SP groups that train on different rows of each batch (default: --nproc / --sp-size)")
     s.add_argument("--nproc", type=int, default=None,
-                   help="processes to spawn (default: --sp-size); ignored under torchrun")
+                   help="processes to spawn (default: --dp x --sp-size); ignored under torchrun")
+    s.add_argument("--data-parallel", choices=DATA_PARALLEL, default="ddp",
+                   help="how the dp groups share gradients: DDP, or FSDP2 (fully_shard over the dp mesh dim)")
+    s.add_argument("--deepspeed", type=int, choices=DEEPSPEED_STAGES, default=None, metavar="STAGE",
+                   help="run through deepspeed.initialize with this ZeRO stage (0, 1 or 2), data-parallel over --dp")
     s.add_argument("--variant", default="ulysses")
     s.add_argument("--sac", choices=tuple(SAC_CHOICES), default="auto",
                    help="activation checkpointing: auto (AutoSP's cost model), true (save most memory), false")
@@ -190,8 +213,22 @@ def config_from_args(ns: argparse.Namespace) -> TrainConfig:
         errors.append(f"--heads {heads} must be a multiple of --kv-heads {kv_heads} (grouped-query attention)")
 
     world = _torchrun_world()
-    nproc = world if world is not None else (ns.nproc or ns.sp_size)
     sp = ns.sp_size
+    nproc = world if world is not None else (ns.nproc or (ns.dp or 1) * sp)
+    if ns.dp is not None and ns.dp < 1:
+        errors.append(f"--dp {ns.dp} must be positive")
+    elif ns.dp is not None and nproc != ns.dp * sp:
+        where = "the torchrun world size" if world is not None else "--nproc"
+        errors.append(f"{where} {nproc} is not --dp {ns.dp} x --sp-size {sp}; give one of them, or make them agree")
+    if ns.deepspeed == 3:
+        errors.append("ZeRO-3 is not supported with AutoSP yet: ZeRO-3 gathers each parameter in hooks around "
+                      "every submodule, inside the graph AutoSP compiles; use --deepspeed 1 or 2, or "
+                      "--data-parallel fsdp to shard parameters")
+    elif ns.deepspeed is not None and importlib.util.find_spec("deepspeed") is None:
+        errors.append("--deepspeed needs the deepspeed package: pip install 'autosp-tools[deepspeed]'")
+    if (ns.deepspeed is not None or ns.data_parallel == "fsdp") and (ns.checkpoint_dir or ns.resume):
+        what = "--deepspeed" if ns.deepspeed is not None else "--data-parallel fsdp"
+        errors.append(f"{what} keeps sharded optimizer state; --checkpoint-dir/--resume support only DDP for now")
     if sp < 1 or nproc < 1:
         errors.append(f"--sp-size ({sp}) and --nproc ({nproc}) must be positive")
     else:
@@ -246,7 +283,8 @@ def config_from_args(ns: argparse.Namespace) -> TrainConfig:
     warmup = ns.warmup if ns.warmup is not None else max(1, ns.steps // 10)
     return TrainConfig(
         model=ModelConfig(VOCAB_SIZE, dim, layers, heads, kv_heads, hidden, ns.seq_len, impl),
-        seq_len=ns.seq_len, sp_size=sp, nproc=nproc, variant=ns.variant,
+        seq_len=ns.seq_len, sp_size=sp, nproc=nproc, data_parallel=ns.data_parallel, deepspeed=ns.deepspeed,
+        variant=ns.variant,
         sac=SAC_CHOICES[ns.sac], backend=ns.backend,
         steps=ns.steps, batch_size=ns.batch_size, lr=ns.lr, min_lr_ratio=ns.min_lr_ratio, warmup=warmup,
         weight_decay=ns.weight_decay, grad_clip=ns.grad_clip, data=ns.data, seed=ns.seed,
@@ -293,15 +331,8 @@ def _gather_floats(value: float, world: int) -> list[float]:
     return [float(x) for x in out]
 
 
-def _dp_group(cfg: TrainConfig, rank: int) -> Any:
-    """The group of ranks at the same place in every SP group; every rank must create every group."""
-    mine = None
-    for i in range(cfg.sp_size):
-        ranks = [i + k * cfg.sp_size for k in range(cfg.dp_size)]
-        g = dist.new_group(ranks)
-        if rank in ranks:
-            mine = g
-    return mine
+def _dp_name(cfg: TrainConfig) -> str:
+    return f"deepspeed zero-{cfg.deepspeed}" if cfg.deepspeed is not None else cfg.data_parallel
 
 
 def train(cfg: TrainConfig, rank: int = 0, world: int = 1) -> TrainResult:
@@ -318,6 +349,9 @@ def train(cfg: TrainConfig, rank: int = 0, world: int = 1) -> TrainResult:
         # Identical weights on every rank are the contract; broadcasting guards against any init nondeterminism.
         for t in model.state_dict().values():
             dist.broadcast(t, src=0)
+    groups = make_groups(cfg.dp_size, cfg.sp_size, world)
+    if cfg.deepspeed is None:
+        shard_model(cfg.data_parallel, model, groups)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     meta = cfg.curve_meta(tokens.numel())
 
@@ -332,21 +366,28 @@ def train(cfg: TrainConfig, rank: int = 0, world: int = 1) -> TrainResult:
         if lead and not cfg.quiet:
             print(f"resumed from {path} at step {start}", flush=True)
 
-    dp_group = _dp_group(cfg, rank) if cfg.dp_size > 1 else None
-    dp_rank = rank // cfg.sp_size
     rows = cfg.batch_size // cfg.dp_size
     if cfg.backend == "none":
-        step_fn: Any = model
+        program: Any = model
     else:
-        step_fn = autosp.compile(model, sp_size=cfg.sp_size, variant=cfg.variant, sac=cfg.sac, backend=cfg.backend)
+        program = autosp.compile(model, sp_size=cfg.sp_size, group=groups.sp, variant=cfg.variant, sac=cfg.sac,
+                                 backend=cfg.backend)
+    trainer: Trainer
+    if cfg.deepspeed is not None:
+        # The engine builds its own optimizer from the config; the torch one above stays unused.
+        trainer = deepspeed_trainer(program, groups, deepspeed_config(
+            cfg.deepspeed, rows, cfg.lr, cfg.weight_decay, cfg.grad_clip))
+    else:
+        trainer = TorchTrainer(wrap_data_parallel(cfg.data_parallel, program, model, groups),
+                               list(model.parameters()), optimizer, cfg.grad_clip)
 
     end = cfg.stop_at if cfg.stop_at is not None else cfg.steps
     if lead and not cfg.quiet:
         m = cfg.model
         print(f"autosp-train: {m.impl} Llama dim {m.dim} layers {m.layers} heads {m.heads}/{m.kv_heads} "
               f"({count_params(model):,} params) | seq {cfg.seq_len} x batch {cfg.batch_size} | "
-              f"{world} rank(s): sp {cfg.sp_size} x dp {cfg.dp_size} | {cfg.variant}, backend {cfg.backend}, "
-              f"sac {cfg.sac} | steps {start + 1}..{end} of {cfg.steps}", flush=True)
+              f"{world} rank(s): sp {cfg.sp_size} x dp {cfg.dp_size} ({_dp_name(cfg)}) | {cfg.variant}, "
+              f"backend {cfg.backend}, sac {cfg.sac} | steps {start + 1}..{end} of {cfg.steps}", flush=True)
     tokens_per_step = cfg.batch_size * cfg.seq_len
     losses: list[float] = []
     times: list[float] = []
@@ -355,31 +396,14 @@ def train(cfg: TrainConfig, rank: int = 0, world: int = 1) -> TrainResult:
     for step in range(start, end):
         t0 = time.perf_counter()
         lr = lr_at(cfg, step)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
         full = batch_at(tokens, step, cfg.seed, cfg.batch_size, cfg.seq_len)
-        ids = full[dp_rank * rows : (dp_rank + 1) * rows]
-        loss = step_fn(ids, ids)
-        loss.backward()
-        value = loss.detach()
-        if dp_group is not None:
-            # Only across SP groups: inside one, AutoSP has already reduced the gradients.
-            for p in model.parameters():
-                if p.grad is not None:
-                    dist.all_reduce(p.grad, group=dp_group)
-                    p.grad.div_(cfg.dp_size)
-            dist.all_reduce(value, group=dp_group)
-            value = value / cfg.dp_size
-        if cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(float(value))
+        ids = full[groups.dp_rank * rows : (groups.dp_rank + 1) * rows]
+        losses.append(float(mean_over_dp(trainer.step(ids, lr), groups)))
         times.append(time.perf_counter() - t0)
         n = step + 1
 
         if step == start and cfg.show_report and lead and cfg.backend != "none":
-            print("\n\n".join(str(r) for r in getattr(step_fn, "autosp_reports", [])), flush=True)
+            print("\n\n".join(str(r) for r in getattr(program, "autosp_reports", [])), flush=True)
         if n % cfg.log_every == 0 or n == end:
             mem = _gather_floats(rss_mb(), world)  # every rank joins, only rank 0 prints
             if lead and not cfg.quiet:
