@@ -221,9 +221,9 @@ def config_from_args(ns: argparse.Namespace) -> TrainConfig:
         where = "the torchrun world size" if world is not None else "--nproc"
         errors.append(f"{where} {nproc} is not --dp {ns.dp} x --sp-size {sp}; give one of them, or make them agree")
     if ns.deepspeed == 3:
-        errors.append("ZeRO-3 is not supported with AutoSP yet: ZeRO-3 gathers each parameter in hooks around "
-                      "every submodule, inside the graph AutoSP compiles; use --deepspeed 1 or 2, or "
-                      "--data-parallel fsdp to shard parameters")
+        errors.append("ZeRO-3 is not supported with AutoSP yet: its per-submodule parameter gathering breaks the "
+                      "compiled graph into pieces, and AutoSP needs attention and the sequence in one graph; "
+                      "use --deepspeed 1 or 2, or --data-parallel fsdp to shard parameters")
     elif ns.deepspeed is not None and importlib.util.find_spec("deepspeed") is None:
         errors.append("--deepspeed needs the deepspeed package: pip install 'autosp-tools[deepspeed]'")
     if (ns.deepspeed is not None or ns.data_parallel == "fsdp") and (ns.checkpoint_dir or ns.resume):

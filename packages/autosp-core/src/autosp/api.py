@@ -84,6 +84,9 @@ def compile(  # noqa: A001 - mirrors torch.compile
         sp_size=sp_size, variant=variant, sac=sac, group=group, backend=backend,
         disable_passes=disable_passes, **(variant_options or {}),
     )
+    if be.world > 1:
+        # A new sequence length recompiles instead of turning the length symbolic (not supported yet).
+        torch_compile_kwargs.setdefault("dynamic", False)
     compiled = torch.compile(model, backend=be, **torch_compile_kwargs)
     try:
         compiled.autosp_reports = be.reports

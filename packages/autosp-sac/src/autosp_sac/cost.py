@@ -15,7 +15,7 @@ import torch
 from torch import fx
 
 from autosp.hardware import HardwareProfile
-from autosp_sac.graph import MATMULS, JointInfo, nbytes
+from autosp_sac.graph import MATMULS, JointInfo, hint, nbytes
 
 COLLECTIVE_PREFIX = "autosp."
 OVERHEAD_THRESHOLD = 0.10
@@ -41,7 +41,7 @@ class Costs:
 
 def _shape(node: fx.Node) -> tuple[int, ...]:
     val = node.meta.get("val")
-    return tuple(int(s) for s in val.shape) if isinstance(val, torch.Tensor) else ()
+    return tuple(hint(s) for s in val.shape) if isinstance(val, torch.Tensor) else ()
 
 
 def matmul_flops(node: fx.Node) -> float:

@@ -34,12 +34,24 @@ def is_random(node: fx.Node) -> bool:
     return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
 
 
+def hint(n: int | torch.SymInt) -> int:
+    """A concrete size: symbolic sizes are costed at the example's value."""
+    return n if isinstance(n, int) else int(n.node.hint)
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    numel = 1
+    for s in t.shape:
+        numel *= hint(s)
+    return numel * t.element_size()
+
+
 def nbytes(node: fx.Node) -> int:
     val = node.meta.get("val")
     if isinstance(val, torch.Tensor):
-        return val.numel() * val.element_size()
+        return _tensor_bytes(val)
     if isinstance(val, (tuple, list)):
-        return sum(v.numel() * v.element_size() for v in val if isinstance(v, torch.Tensor))
+        return sum(_tensor_bytes(v) for v in val if isinstance(v, torch.Tensor))
     return 0
 
 
@@ -113,4 +125,6 @@ def analyse(gm: fx.GraphModule, attention_ops: frozenset) -> JointInfo:
     return info
 
 
-__all__ = ["ATTENTION_KERNELS", "MATMULS", "JointInfo", "analyse", "forward_nodes", "is_random", "layer_input", "nbytes"]
+__all__ = [
+    "ATTENTION_KERNELS", "MATMULS", "JointInfo", "analyse", "forward_nodes", "hint", "is_random", "layer_input", "nbytes",
+]

@@ -36,11 +36,11 @@ def tag(gm: fx.GraphModule, ctx: CompileContext) -> None:
     recompute = sac is True or (sac == "auto" and overhead <= OVERHEAD_THRESHOLD)
     attention = set(info.attention)
     keep = attention | set(info.layer_inputs)
-    saved_bytes = recomputed = randoms = 0
+    random = {n for n in info.forward if is_random(n) and n not in attention}
+    saved_bytes = recomputed = 0
     for node in info.forward:
-        if is_random(node) and node not in attention:
+        if node in random or _is_output_of(node, random):
             node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
-            randoms += 1
         elif node in keep or _is_output_of(node, attention):
             node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
             saved_bytes += nbytes(node) if node not in attention else 0
@@ -53,7 +53,7 @@ def tag(gm: fx.GraphModule, ctx: CompileContext) -> None:
         "attention sites kept": len(attention),
         "layer inputs kept": f"{len(info.layer_inputs)} ({saved_bytes / 2**20:.2f} MiB with attention outputs)",
         "forward nodes tagged for recompute": recomputed,
-        "random ops saved": randoms,
+        "random ops saved": len(random),
         "recompute FLOPs": f"{costs.matmul_flops:.3g} (step ~{3 * (costs.matmul_flops + costs.attention_flops):.3g})",
         "extra all-to-all bytes": f"{costs.comm_bytes:.3g}",
         "estimated overhead": f"{overhead:.1%} on {ctx.hardware.name} (threshold {OVERHEAD_THRESHOLD:.0%})",

@@ -146,7 +146,9 @@ class DSAutoSPRunner(Runner):
             "steps_per_print": 10**9,
             "wall_clock_breakdown": False,
         }
-        self.engine, *_ = deepspeed.initialize(model=self.model, config=config)
+        # engine.backward insists on an optimizer; lr=0 and no step keeps the weights fixed like the others.
+        opt = torch.optim.SGD(self.model.parameters(), lr=0.0)
+        self.engine, *_ = deepspeed.initialize(model=self.model, optimizer=opt, config=config)
         self.engine.compile()
         self.ids, self.labels = make_batch(env.workload, env.device)
         S = self.ids.shape[1]

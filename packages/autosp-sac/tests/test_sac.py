@@ -1,0 +1,74 @@
+"""SAC decisions on real graphs, and that no setting changes a result."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import _sac_cases as cases
+from autosp.hardware import HardwareProfile
+from autosp_sac.cost import OVERHEAD_THRESHOLD, Costs
+from harness import run_spmd
+
+SACS = [False, True, "auto"]
+
+
+def assert_same(a: dict, b: dict) -> None:
+    torch.testing.assert_close(a["loss"], b["loss"], rtol=0, atol=0)
+    for name, g in a["grads"].items():
+        torch.testing.assert_close(b["grads"][name], g, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_cost_model_switches_on_with_length():
+    hw = HardwareProfile("t", "cpu", flops=1e11, comm_bandwidth=1e9)
+    d, layers = 64, 2
+
+    def costs(s: int) -> Costs:
+        return Costs(matmul_flops=layers * 2 * s * 12 * d * d, attention_flops=layers * 2 * s * s * d, comm_bytes=0)
+
+    overheads = [costs(s).overhead(hw) for s in (256, 1024, 4096, 16384)]
+    assert overheads == sorted(overheads, reverse=True)
+    assert overheads[0] > OVERHEAD_THRESHOLD > overheads[-1]
+
+
+@pytest.fixture(scope="module")
+def saved():
+    return {(s, str(sac)): cases.saved_bytes(s, sac) for s in (512, 2048) for sac in SACS}
+
+
+def test_attention_is_never_recomputed(saved):
+    for (_, _), (_, report) in saved.items():
+        assert report["attention forwards in backward"] == 0
+
+
+def test_sac_on_saves_near_the_floor(saved):
+    for seq in (512, 2048):
+        off, _ = saved[(seq, "False")]
+        on, report = saved[(seq, "True")]
+        # floor: per layer input [S, 64], attention output [4, S, 16] and lse [4, S]; final hidden [S, 64]
+        floor = 4 * (2 * (seq * 64 + seq * 64 + seq * 4) + seq * 64)
+        assert on <= 1.15 * floor, (seq, on, floor)
+        assert on * 5 < off, (seq, on, off)
+        assert report["attention sites kept"] == 2
+
+
+def test_auto_follows_the_cost_model(saved):
+    short, long_ = saved[(512, "auto")][1], saved[(2048, "auto")][1]
+    assert "default partitioner" in short["mode"] and short["forward nodes tagged for recompute"] == 0
+    assert "recompute" in long_["mode"] and long_["forward nodes tagged for recompute"] > 0
+
+
+def test_random_ops_are_saved_and_results_do_not_change():
+    res = cases.run(0, 1, 64, SACS, True)
+    assert res["True"]["sac"]["random ops saved"] >= 1
+    for sac in ("True", "auto"):
+        assert_same(res["False"], res[sac])
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sp_results_identical_across_sac(world):
+    per_rank = run_spmd(cases.run, world, 64, SACS, world == 2)
+    for res in per_rank:
+        for sac in ("True", "auto"):
+            assert_same(res["False"], res[sac])
+        assert res["True"]["sac"]["attention forwards in backward"] == 0

@@ -1,0 +1,3 @@
+from autosp_tools.bench.cli import main
+
+main()
