@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import math
 
+import compositions_workers
 import pytest
 from autosp_tools.train import TrainConfigError, run
-
-import compositions_workers
 from harness import run_spmd
 
 TINY = ["--model-size", "tiny", "--model-impl", "builtin", "--seq-len", "64", "--batch-size", "4",

@@ -147,7 +147,8 @@ def _quiet_deepspeed_comm() -> None:
 
     # The shared-memory all-reduce op is a g++ JIT build of minutes that gloo never uses.
     # ``deepspeed.comm.torch`` as an attribute is the torch module, hence sys.modules.
-    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+    comm_torch: Any = sys.modules["deepspeed.comm.torch"]
+    comm_torch.build_shm_op = lambda: None
 
 
 def deepspeed_config(stage: int, rows: int, lr: float, weight_decay: float, grad_clip: float) -> dict[str, Any]:

@@ -29,22 +29,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from autosp_tools import checkpoint
+from autosp_tools import checkpoint, parallel
 from autosp_tools.dataset import VOCAB_SIZE, batch_at, load_tokens
 from autosp_tools.memory import peak_rss_mb, rss_mb
 from autosp_tools.model import PRESETS, ModelConfig, build_model, count_params, resolve_impl
-from autosp_tools.parallel import (
-    DATA_PARALLEL,
-    DEEPSPEED_STAGES,
-    TorchTrainer,
-    Trainer,
-    deepspeed_config,
-    deepspeed_trainer,
-    make_groups,
-    mean_over_dp,
-    shard_model,
-    wrap_data_parallel,
-)
 
 BACKENDS = ("aot_eager", "inductor", "eager", "none")
 SAC_CHOICES: dict[str, bool | str] = {"auto": "auto", "true": True, "false": False}
@@ -153,9 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="SP groups that train on different rows of each batch (default: --nproc / --sp-size)")
     s.add_argument("--nproc", type=int, default=None,
                    help="processes to spawn (default: --dp x --sp-size); ignored under torchrun")
-    s.add_argument("--data-parallel", choices=DATA_PARALLEL, default="ddp",
+    s.add_argument("--data-parallel", choices=parallel.DATA_PARALLEL, default="ddp",
                    help="how the dp groups share gradients: DDP, or FSDP2 (fully_shard over the dp mesh dim)")
-    s.add_argument("--deepspeed", type=int, choices=DEEPSPEED_STAGES, default=None, metavar="STAGE",
+    s.add_argument("--deepspeed", type=int, choices=parallel.DEEPSPEED_STAGES, default=None, metavar="STAGE",
                    help="run through deepspeed.initialize with this ZeRO stage (0, 1 or 2), data-parallel over --dp")
     s.add_argument("--variant", default="ulysses")
     s.add_argument("--sac", choices=tuple(SAC_CHOICES), default="auto",
@@ -349,9 +337,9 @@ def train(cfg: TrainConfig, rank: int = 0, world: int = 1) -> TrainResult:
         # Identical weights on every rank are the contract; broadcasting guards against any init nondeterminism.
         for t in model.state_dict().values():
             dist.broadcast(t, src=0)
-    groups = make_groups(cfg.dp_size, cfg.sp_size, world)
+    groups = parallel.make_groups(cfg.dp_size, cfg.sp_size, world)
     if cfg.deepspeed is None:
-        shard_model(cfg.data_parallel, model, groups)
+        parallel.shard_model(cfg.data_parallel, model, groups)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     meta = cfg.curve_meta(tokens.numel())
 
@@ -372,13 +360,13 @@ def train(cfg: TrainConfig, rank: int = 0, world: int = 1) -> TrainResult:
     else:
         program = autosp.compile(model, sp_size=cfg.sp_size, group=groups.sp, variant=cfg.variant, sac=cfg.sac,
                                  backend=cfg.backend)
-    trainer: Trainer
+    trainer: parallel.Trainer
     if cfg.deepspeed is not None:
         # The engine builds its own optimizer from the config; the torch one above stays unused.
-        trainer = deepspeed_trainer(program, groups, deepspeed_config(
+        trainer = parallel.deepspeed_trainer(program, groups, parallel.deepspeed_config(
             cfg.deepspeed, rows, cfg.lr, cfg.weight_decay, cfg.grad_clip))
     else:
-        trainer = TorchTrainer(wrap_data_parallel(cfg.data_parallel, program, model, groups),
+        trainer = parallel.TorchTrainer(parallel.wrap_data_parallel(cfg.data_parallel, program, model, groups),
                                list(model.parameters()), optimizer, cfg.grad_clip)
 
     end = cfg.stop_at if cfg.stop_at is not None else cfg.steps
@@ -398,7 +386,7 @@ def train(cfg: TrainConfig, rank: int = 0, world: int = 1) -> TrainResult:
         lr = lr_at(cfg, step)
         full = batch_at(tokens, step, cfg.seed, cfg.batch_size, cfg.seq_len)
         ids = full[groups.dp_rank * rows : (groups.dp_rank + 1) * rows]
-        losses.append(float(mean_over_dp(trainer.step(ids, lr), groups)))
+        losses.append(float(parallel.mean_over_dp(trainer.step(ids, lr), groups)))
         times.append(time.perf_counter() - t0)
         n = step + 1
 

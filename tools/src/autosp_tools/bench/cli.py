@@ -13,6 +13,7 @@ import platform
 import sys
 import time
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +25,9 @@ from autosp_tools.bench.workload import Workload
 from autosp_tools.model import PRESETS
 
 # --quick: a tiny model and a few lengths, about 5 minutes on 2 CPU cores.
-QUICK = {"model_size": "tiny", "seq_lens": [128, 256], "batch_size": 2, "warmup": 1, "steps": 3,
+QUICK: dict[str, Any] = {"model_size": "tiny", "seq_lens": [128, 256], "batch_size": 2, "warmup": 1, "steps": 3,
          "mem_budget_mb": 4.0, "search_max": 512, "search_refine": 0}
-FULL = {"model_size": "small", "seq_lens": [512, 1024, 2048], "batch_size": 1, "warmup": 2, "steps": 5,
+FULL: dict[str, Any] = {"model_size": "small", "seq_lens": [512, 1024, 2048], "batch_size": 1, "warmup": 2, "steps": 5,
         "mem_budget_mb": 64.0, "search_max": 16384, "search_refine": 1}
 
 
@@ -147,7 +148,7 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
         found: dict[str, Any] = {}
         if s["search_max"]:
             for name in s["methods"]:
-                found[name] = longest(lambda n, name=name: bench.attempt(name, n), budget, start, s["search_max"],
+                found[name] = longest(partial(bench.attempt, name), budget, start, s["search_max"],
                                       multiple=s["sp_size"] * 8, refine=s["search_refine"])
         bar.total = bar.n
         bar.refresh()

@@ -12,12 +12,11 @@ def import_deepspeed() -> Any:
 
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    import deepspeed.comm.torch  # noqa: F401 - patched below before the backend is made
+    import deepspeed.comm.torch  # patched below, before the backend is made
 
     # The CPU backend JIT-builds a shared-memory op with g++ at init (minutes); gloo does not need it.
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None  # type: ignore[attr-defined]
     import deepspeed
-
     import deepspeed.comm as ds_dist
 
     if not ds_dist.is_initialized():

@@ -65,16 +65,16 @@ def markdown(results: dict[str, Any]) -> str:
     ref = results["reference_loss"].get(str(at))
     base_long = _longest_cell(results["longest"].get(base_name))[1]
     lines = [
-        f"Model `{s['model_size']}` (builtin Llama: RoPE, RMSNorm, SwiGLU, GQA), batch {s['batch_size']}, "
-        f"SP size {s['sp_size']}, compiler `{s['backend']}`, {results['machine']['summary']}.",
+        (f"Model `{s['model_size']}` (builtin Llama: RoPE, RMSNorm, SwiGLU, GQA), batch {s['batch_size']}, "
+         f"SP size {s['sp_size']}, compiler `{s['backend']}`, {results['machine']['summary']}."),
         "",
-        f"At sequence length {at}; ratios (×) are against `{base_name}` (hand-written DeepSpeed-Ulysses, eager). "
-        f"Memory is per rank; saved = bytes autograd keeps for backward (parameters excluded); "
-        f"longest = longest sequence whose `{results['budget']['metric']}` memory per rank stays under "
-        f"{results['budget']['bytes'] / MB:.0f} MB (≥: the search stopped at its cap).",
+        (f"At sequence length {at}; ratios (×) are against `{base_name}` (hand-written DeepSpeed-Ulysses, eager). "
+         f"Memory is per rank; saved = bytes autograd keeps for backward (parameters excluded); "
+         f"longest = longest sequence whose `{results['budget']['metric']}` memory per rank stays under "
+         f"{results['budget']['bytes'] / MB:g} MB (≥: the search stopped at its cap)."),
         "",
-        "| method | loss | single-device loss | saved MB | × | peak RSS Δ MB | × | step ms | × | tokens/s | × "
-        "| compile s | longest seq | × |",
+        ("| method | loss | single-device loss | saved MB | × | peak RSS Δ MB | × | step ms | × | tokens/s | × "
+         "| compile s | longest seq | × |"),
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name in results["methods"]:
@@ -141,7 +141,7 @@ def plots(out: Path, results: dict[str, Any]) -> list[Path]:
             ax.annotate("≥", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom")
     ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("longest trainable sequence (tokens)")
-    ax.set_title(f"Under {results['budget']['bytes'] / MB:.0f} MB per rank ({results['budget']['metric']})")
+    ax.set_title(f"Under {results['budget']['bytes'] / MB:g} MB per rank ({results['budget']['metric']})")
     fig.tight_layout()
     paths.append(out / "longest_seq.png")
     fig.savefig(paths[-1], dpi=110)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from autosp_tools.bench.workload import IGNORE, repeat_kv, rope_tables
-from autosp_tools.model import LlamaLM, rope
+from autosp_tools.model import Block, LlamaLM, rope
 
 
 class LocalAttention(nn.Module):
@@ -54,7 +54,8 @@ class UlyssesLM(nn.Module):
         cos, sin = cos[None, :, None], sin[None, :, None]  # [1, s, 1, D] for [B, s, h, D]
         x = lm.embed(ids)
         B, s, _ = x.shape
-        for block, attn in zip(lm.blocks, self.attn):
+        for blk, attn in zip(lm.blocks, self.attn):
+            block: Block = blk  # type: ignore[assignment]  # ModuleList items are typed Module
             h = block.n1(x)
             q = rope(block.q(h).view(B, s, c.heads, hd), cos, sin)
             k = rope(block.k(h).view(B, s, c.kv_heads, hd), cos, sin)

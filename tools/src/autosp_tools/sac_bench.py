@@ -1,0 +1,199 @@
+"""autosp-sac-bench: what sequence-aware activation checkpointing saves, and what it costs.
+
+For a Llama-style model (GQA, several layers), at each sequence length and sp_size,
+rank 0 measures the bytes saved for backward by one compiled forward (parameters
+excluded; ``saved_tensors_hooks``) with SAC off, auto and on, next to the floor
+when attention is never recomputed (each layer's input, attention output and
+log-sum-exp, plus the final hidden state), and the median step time. Prints a
+markdown table and writes ``results.json``, ``sac.md`` and ``sac.png`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from autosp_tools.launch import launch
+from autosp_tools.model import LlamaLM, ModelConfig
+
+SACS: tuple[Any, ...] = (False, "auto", True)
+
+
+@dataclass(frozen=True)
+class Case:
+    seq: int
+    sp: int
+    sac: Any
+    model: ModelConfig
+    steps: int
+    backend: str
+
+    @property
+    def nproc(self) -> int:
+        return self.sp
+
+
+def floor_bytes(case: Case) -> int:
+    """Per rank: layer inputs, attention outputs and lse per layer, plus the final hidden state (fp32)."""
+    c, s, p = case.model, case.seq, case.sp
+    hd = c.dim // c.heads
+    per_layer = s // p * c.dim + c.heads // p * s * hd + c.heads // p * s
+    return 4 * (c.layers * per_layer + s // p * c.dim)
+
+
+def measure(case: Case, rank: int, world: int) -> dict[str, Any]:
+    import autosp
+
+    torch._dynamo.reset()  # one-rank cases run in this process; stay under Dynamo's recompile limit
+    torch.manual_seed(0)
+    model = LlamaLM(case.model)
+    opts = {"sp_size": world} if world > 1 else {}
+    compiled = autosp.compile(model, sac=case.sac, backend=case.backend, **opts)
+    ids = torch.randint(0, case.model.vocab, (1, case.seq), generator=torch.Generator().manual_seed(1))
+    start = time.perf_counter()
+    compiled(ids, ids).backward()
+    compile_s = time.perf_counter() - start
+    params = {p.data_ptr() for p in model.parameters()}
+    sizes: list[int] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.data_ptr() not in params:
+            sizes.append(t.numel() * t.element_size())
+        return t
+
+    times = []
+    for step in range(case.steps):
+        model.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        if step == 0:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                loss = compiled(ids, ids)
+        else:
+            loss = compiled(ids, ids)
+        loss.backward()
+        times.append(time.perf_counter() - start)
+    report = compiled.autosp_reports[0]
+    return {
+        "saved_bytes": sum(sizes),
+        "step_s": statistics.median(times),
+        "compile_s": compile_s,
+        "loss": float(loss.detach()),
+        "sac_report": {k: str(v) for k, v in report.sac.items()},
+    }
+
+
+def run_case(case: Case) -> dict[str, Any]:
+    try:
+        result = launch(measure, case)
+    except Exception as e:  # noqa: BLE001 - a failed case is a result, not the end of the run
+        result = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+    return {"seq": case.seq, "sp": case.sp, "sac": str(case.sac), "floor_bytes": floor_bytes(case), **result}
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    by_key: dict[tuple[int, int], dict[str, dict[str, Any]]] = {}
+    for r in rows:
+        by_key.setdefault((r["sp"], r["seq"]), {})[r["sac"]] = r
+    lines = [
+        "| sp | seq | floor MiB | saved off | saved auto | saved on | on / floor | auto mode | step on / off "
+        "| est. recompute overhead |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    mib = 2**20
+    for (sp, seq), runs in sorted(by_key.items()):
+        off, auto, on = (runs.get(k, {}) for k in ("False", "auto", "True"))
+        floor = (off or on or auto).get("floor_bytes", 0)
+
+        def saved(r: dict[str, Any]) -> str:
+            return f"{r['saved_bytes'] / mib:.2f}" if "saved_bytes" in r else r.get("error", "-")[:40]
+
+        ratio = f"{on['saved_bytes'] / floor:.2f}" if "saved_bytes" in on and floor else "-"
+        speed = f"{on['step_s'] / off['step_s']:.2f}" if "step_s" in on and "step_s" in off else "-"
+        mode = auto.get("sac_report", {}).get("mode", "-").split("-> ")[-1]
+        overhead = on.get("sac_report", {}).get("estimated overhead", "-")
+        lines.append(
+            f"| {sp} | {seq} | {floor / mib:.2f} | {saved(off)} | {saved(auto)} | {saved(on)} | {ratio} | {mode} "
+            f"| {speed} | {overhead} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for sp in sorted({r["sp"] for r in rows}):
+        for sac, style in (("False", "-"), ("auto", ":"), ("True", "--")):
+            pts = sorted((r["seq"], r["saved_bytes"] / 2**20) for r in rows if r["sp"] == sp and r["sac"] == sac
+                         and "saved_bytes" in r)
+            if pts:
+                ax.plot(*zip(*pts), style, marker="o", label=f"sp={sp} sac={sac}")
+        floor = sorted({(r["seq"], r["floor_bytes"] / 2**20) for r in rows if r["sp"] == sp})
+        ax.plot(*zip(*floor), color="grey", alpha=0.4, label=f"sp={sp} floor")
+    ax.set(xscale="log", yscale="log", xlabel="sequence length", ylabel="MiB saved for backward per rank",
+           title="AutoSP activation memory with SAC off / auto / on")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="autosp-sac-bench", description=__doc__.splitlines()[0])
+    p.add_argument("--lengths", default="2048,4096,8192,16384", help="comma-separated sequence lengths")
+    p.add_argument("--sp", default="1,2,4", help="comma-separated sp sizes")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--steps", type=int, default=3, help="timed steps after the compile step")
+    p.add_argument("--backend", default="aot_eager", choices=("aot_eager", "inductor"))
+    p.add_argument("--quick", action="store_true", help="lengths 1024,2048 and sp 1,2")
+    p.add_argument("--out", default="runs/sac-bench")
+    return p.parse_args(argv)
+
+
+def run(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    """Run the benchmark; returns one row per (sp, length, sac)."""
+    args = parse(argv)
+    if args.quick:
+        args.lengths, args.sp = "1024,2048", "1,2"
+    cfg = ModelConfig(vocab=256, dim=args.dim, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
+                      hidden=args.dim * 2, max_len=1 << 20, impl="builtin")
+    cases = [
+        Case(int(s), int(p), sac, cfg, args.steps, args.backend)
+        for p in args.sp.split(",") for s in args.lengths.split(",") for sac in SACS
+    ]
+    from tqdm import tqdm
+
+    rows = []
+    for case in tqdm(cases, desc="sac-bench", unit="run"):
+        rows.append(run_case(case))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps({"model": asdict(cfg), "rows": rows}, indent=1))
+    md = table(rows)
+    (out / "sac.md").write_text(md + "\n")
+    plot(rows, out / "sac.png")
+    print(md)
+    print(f"wrote {out / 'results.json'}, {out / 'sac.md'}, {out / 'sac.png'}")
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    run(argv)
+
+
+if __name__ == "__main__":
+    main()
