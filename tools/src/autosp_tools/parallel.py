@@ -78,7 +78,7 @@ class TorchTrainer:
         return loss.detach()
 
 
-def wrap_data_parallel(kind: str, program: Any, model: nn.Module, groups: Groups) -> Any:
+def wrap_data_parallel(kind: str, program: Any, groups: Groups) -> Any:
     """DDP or FSDP2 over the dp group only, around (DDP) or under (FSDP2) the compiled program.
 
     DDP wraps the compiled program rather than being compiled itself: Dynamo's
@@ -93,7 +93,7 @@ def wrap_data_parallel(kind: str, program: Any, model: nn.Module, groups: Groups
 
         return DDP(program, process_group=groups.dp)
     if kind == "fsdp":
-        return program  # fully_shard already applied to model by shard_model
+        return program  # shard_model has put fully_shard on the model under the program
     raise ValueError(f"unknown data parallelism {kind!r}; use one of {DATA_PARALLEL}")
 
 

@@ -138,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seq-len", type=int, default=1024)
     s.add_argument("--sp-size", type=int, default=2, help="ranks that share one sequence")
     s.add_argument("--dp", type=int, default=None,
-                   help="SP groups that train on different rows of each batch (default: --nproc / --sp-size)")
+                   help="SP groups that train on different rows of each batch; unset: --nproc / --sp-size")
     s.add_argument("--nproc", type=int, default=None,
                    help="processes to spawn (default: --dp x --sp-size); ignored under torchrun")
     s.add_argument("--data-parallel", choices=parallel.DATA_PARALLEL, default="ddp",
@@ -366,7 +366,7 @@ def train(cfg: TrainConfig, rank: int = 0, world: int = 1) -> TrainResult:
         trainer = parallel.deepspeed_trainer(program, groups, parallel.deepspeed_config(
             cfg.deepspeed, rows, cfg.lr, cfg.weight_decay, cfg.grad_clip))
     else:
-        trainer = parallel.TorchTrainer(parallel.wrap_data_parallel(cfg.data_parallel, program, model, groups),
+        trainer = parallel.TorchTrainer(parallel.wrap_data_parallel(cfg.data_parallel, program, groups),
                                list(model.parameters()), optimizer, cfg.grad_clip)
 
     end = cfg.stop_at if cfg.stop_at is not None else cfg.steps

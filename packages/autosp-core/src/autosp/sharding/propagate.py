@@ -20,9 +20,9 @@ from torch.utils import _pytree as pytree
 from autosp.sharding import collectives as C
 from autosp.sharding.context import SPContext, SPValue
 from autosp.sharding.dims import guess_seq_dim
-from autosp.sharding.placement import Partial, Replicate, SeqAxis, Shard
+from autosp.sharding.placement import Replicate, SeqAxis
 from autosp.sharding.redistribute import gather
-from autosp.sharding.rules import RULES, all_replicated, elementwise, fallback, is_elementwise, replicated, values
+from autosp.sharding.rules import RULES, all_replicated, elementwise_rule, fallback, is_elementwise, replicated, values
 
 
 def _input_value(node: torch.fx.Node, x: Any, ctx: SPContext, is_param: bool) -> Any:
@@ -43,7 +43,7 @@ def evaluate(ctx: SPContext, node: torch.fx.Node, args: tuple, kwargs: dict) -> 
         return fallback(ctx, node, args, kwargs) if values((args, kwargs)) else node.target(*args, **kwargs)
     rule = RULES.get(node.target)
     if rule is None and is_elementwise(node.target):
-        rule = elementwise
+        rule = elementwise_rule
     if rule is not None:
         return rule(ctx, node, args, kwargs)
     if all_replicated((args, kwargs)):

@@ -1,0 +1,124 @@
+"""Elementwise ops, broadcasting included: operands are aligned to the sharded one."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from autosp.sharding.context import SPContext, SPValue
+from autosp.sharding.dims import broadcast_dim
+from autosp.sharding.placement import HeadShard, Partial, Replicate, SeqAxis, Shard
+from autosp.sharding.redistribute import to_replicate, to_shard
+from autosp.sharding.rules.base import (
+    RULES, call, fallback, reduce_partials, replicated, values, wrap,
+)
+
+aten = torch.ops.aten
+
+# --- elementwise ------------------------------------------------------------------------------
+
+# Ops through which a partial sum stays a partial sum, and which operands may be partial.
+_LINEAR = {
+    aten.add.Tensor: "all",
+    aten.sub.Tensor: "all",
+    aten.neg.default: "all",
+    aten.mul.Tensor: "one",
+    aten.div.Tensor: "first",
+    aten.clone.default: "all",
+    aten._to_copy.default: "all",
+    aten.alias.default: "all",
+}
+
+
+def _partial_ok(op: Any, args: tuple, kwargs: dict) -> bool:
+    kind = _LINEAR.get(op)
+    if kind is None or kwargs.get("alpha", 1) != 1:
+        return False
+    tensors = values(args)
+    partial = [isinstance(v.placement, Partial) for v in tensors]
+    others_plain = all(isinstance(v.placement, Replicate) for v in tensors if not isinstance(v.placement, Partial))
+    if kind == "all":
+        return all(partial)
+    if kind == "one":
+        return sum(partial) == 1 and others_plain
+    return partial[0] and sum(partial) == 1 and others_plain
+
+
+def elementwise(ctx: SPContext, node: torch.fx.Node, args: tuple, kwargs: dict) -> Any:
+    tensors = values((args, kwargs))
+    if any(isinstance(v.placement, Partial) for v in tensors):
+        if _partial_ok(node.target, args, kwargs):
+            return wrap(call(node, args, kwargs), node.meta["val"], lambda _i, _g: Partial())
+        args, kwargs = reduce_partials(ctx, (args, kwargs))
+        tensors = values((args, kwargs))
+    out_val = node.meta["val"]
+    out_ndim = out_val.dim() if isinstance(out_val, torch.Tensor) else out_val[0].dim()
+    lead = next((v for v in tensors if isinstance(v.placement, Shard)), None)
+    if lead is None:
+        if any(isinstance(v.placement, HeadShard) for v in tensors):
+            return fallback(ctx, node, args, kwargs)
+        axis = _elementwise_axis(tensors, out_ndim, out_val)
+        return replicated(ctx, node, args, kwargs, axis)
+    target: Shard = lead.placement
+    out_dim = broadcast_dim(out_ndim, lead.ndim, target.axis.dim)
+    out_shape = out_val.shape if isinstance(out_val, torch.Tensor) else out_val[0].shape
+
+    def align(v: Any) -> Any:
+        if not isinstance(v, SPValue):
+            return v
+        d = out_dim - (out_ndim - v.ndim)
+        if d < 0 or v.gval.shape[d] == 1:
+            if isinstance(v.placement, Replicate):
+                return v.local
+            return to_replicate(ctx, v, f"{node.name}: operand sharded on a broadcast dim").local
+        if v.gval.shape[d] != out_shape[out_dim]:
+            return to_replicate(ctx, v, f"{node.name}: operand shape mismatch").local
+        return to_shard(ctx, v, d, target)
+
+    local_args, local_kwargs = pytree.tree_map(align, (args, kwargs), is_leaf=lambda x: isinstance(x, SPValue))
+    out = node.target(*local_args, **local_kwargs)
+    placement = Shard(target.axis.at(out_dim), target.ranges)
+    return wrap(out, out_val, lambda _i, _g: placement)
+
+
+def _elementwise_axis(tensors: list[SPValue], out_ndim: int, out_val: Any) -> SeqAxis | None:
+    if not isinstance(out_val, torch.Tensor):
+        return None
+    for v in tensors:
+        axis = v.placement.axis if isinstance(v.placement, Replicate) else None
+        if axis is not None:
+            d = broadcast_dim(out_ndim, v.ndim, axis.dim)
+            if v.gval.shape[axis.dim] == out_val.shape[d]:
+                return axis.at(d)
+    return None
+
+
+# In-place variants never reach the rules: lowering functionalizes the graph.
+for _op in (
+    aten.masked_fill.Scalar,
+    aten.masked_fill.Tensor,
+    aten.where.self,
+    aten.where.ScalarSelf,
+    aten.where.ScalarOther,
+    aten._to_copy.default,
+    aten.clone.default,
+    aten.alias.default,
+    aten.detach.default,
+    aten.lift_fresh_copy.default,
+    aten.copy.default,
+    aten.full_like.default,
+    aten.zeros_like.default,
+    aten.ones_like.default,
+    aten.empty_like.default,
+    aten.clamp.default,
+    aten.clamp.Tensor,
+    aten.masked_fill.Tensor,
+    aten.fill.Scalar,
+    aten.tril.default,
+    aten.triu.default,
+):
+    RULES[_op] = elementwise
+
+

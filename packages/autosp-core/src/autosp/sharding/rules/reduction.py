@@ -1,0 +1,145 @@
+"""Reductions, row-wise normalisations, the loss, and creation ops."""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any, Callable
+
+import torch
+
+from autosp.sharding.context import SPContext, SPValue
+from autosp.sharding.dims import normalize_dim
+from autosp.sharding.placement import HeadShard, Partial, Replicate, SeqAxis, Shard
+from autosp.sharding.redistribute import gather, to_replicate, to_shard
+from autosp.sharding.rules.base import (
+    RULES, Rule, call, fallback, reduce_partials, replicated, rule, seq_dim, values, wrap,
+)
+
+aten = torch.ops.aten
+
+# --- reductions and normalisations ------------------------------------------------------------
+
+
+def _reduced_dims(node: torch.fx.Node, v: SPValue, args: tuple, kwargs: dict) -> tuple[list[int], bool]:
+    dims = args[1] if len(args) > 1 else kwargs.get("dim")
+    keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
+    if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
+        return list(range(v.ndim)), keepdim
+    if isinstance(dims, int):
+        dims = [dims]
+    return [normalize_dim(d, v.ndim) for d in dims], keepdim
+
+
+def _after_reduce(dim: int, dims: list[int], keepdim: bool) -> int:
+    return dim if keepdim else dim - sum(1 for d in dims if d < dim)
+
+
+@rule(aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default)
+def sum_rule(ctx, node, args, kwargs):
+    v = args[0]
+    p = v.placement
+    if isinstance(p, HeadShard):
+        return fallback(ctx, node, args, kwargs)
+    if isinstance(p, Partial):
+        return wrap(call(node, args, kwargs), node.meta["val"], lambda _i, _g: Partial())
+    dims, keepdim = _reduced_dims(node, v, args, kwargs)
+    seq = seq_dim(p)
+    if seq is not None and seq not in dims:
+        out = call(node, args, kwargs)
+        axis = p.axis.at(_after_reduce(seq, dims, keepdim))
+        placement = Shard(axis, p.ranges) if isinstance(p, Shard) else Replicate(axis)
+        return SPValue(out, placement, node.meta["val"])
+    if isinstance(p, Replicate):
+        return replicated(ctx, node, args, kwargs)
+    # A reduction over the sequence is a partial sum; a mean divides by the global count.
+    is_mean = node.target in (aten.mean.dim, aten.mean.default)
+    dtype = kwargs.get("dtype")
+    local = v.local if dtype is None else v.local.to(dtype)
+    total = local.sum(dim=dims, keepdim=keepdim) if dims else local.sum()
+    if is_mean:
+        count = math.prod(v.gval.shape[d] for d in dims)
+        total = total / count
+    if total.dtype != node.meta["val"].dtype:
+        total = total.to(node.meta["val"].dtype)
+    return SPValue(total, Partial(), node.meta["val"])
+
+
+def _rowwise(dim_of: Callable[[tuple, dict, int], list[int]]) -> Rule:
+    def rowwise_rule(ctx, node, args, kwargs):
+        v = args[0]
+        p = v.placement
+        if isinstance(p, Partial):
+            args, kwargs = reduce_partials(ctx, (args, kwargs))
+            v, p = args[0], args[0].placement
+        if isinstance(p, HeadShard) or seq_dim(p) in dim_of(args, kwargs, v.ndim):
+            return fallback(ctx, node, args, kwargs)
+        rest = values((args[1:], kwargs))
+        if any(not isinstance(r.placement, Replicate) for r in rest):
+            return fallback(ctx, node, args, kwargs)
+        out = call(node, args, kwargs)
+        gval = node.meta["val"]
+        if isinstance(p, Replicate):
+            return wrap(out, gval, lambda i, g: Replicate(p.axis if i == 0 else None))
+        # Extra outputs (mean, rstd) keep the leading dims, so the sequence stays where it was.
+        return wrap(out, gval, lambda i, g: p if g.dim() > p.axis.dim and g.shape[p.axis.dim] == v.gval.shape[p.axis.dim] else Replicate())
+
+    return rowwise_rule
+
+
+def _softmax_dims(args: tuple, kwargs: dict, ndim: int) -> list[int]:
+    return [normalize_dim(args[1], ndim)]
+
+
+def _norm_dims(args: tuple, kwargs: dict, ndim: int) -> list[int]:
+    return list(range(ndim - len(args[1]), ndim))
+
+
+RULES[aten._softmax.default] = _rowwise(_softmax_dims)
+RULES[aten._log_softmax.default] = _rowwise(_softmax_dims)
+RULES[aten.native_layer_norm.default] = _rowwise(_norm_dims)
+if hasattr(aten, "_fused_rms_norm"):
+    RULES[aten._fused_rms_norm.default] = _rowwise(_norm_dims)
+
+
+# --- loss --------------------------------------------------------------------------------------
+
+
+@rule(aten.nll_loss_forward.default)
+def nll_loss_rule(ctx, node, args, kwargs):
+    inp, target, weight, reduction, ignore_index = args
+    p = inp.placement
+    if not isinstance(p, Shard) or p.axis.dim != 0 or inp.ndim != 2:
+        return fallback(ctx, node, args, kwargs)
+    if weight is not None and not isinstance(weight.placement, Replicate):
+        weight = to_replicate(ctx, weight)
+    if target.gval.shape[0] != inp.gval.shape[0]:
+        return fallback(ctx, node, args, kwargs)
+    target_local = to_shard(ctx, target, 0, p)
+    w = weight.local if weight is not None else None
+    if reduction == 0:
+        out, tw = aten.nll_loss_forward(inp.local, target_local, w, 0, ignore_index)
+        return (SPValue(out, p, node.meta["val"][0]), SPValue(tw, Partial(), node.meta["val"][1]))
+    # Sum and count of non-ignored tokens are both partial: the mean is their exact global ratio.
+    total, count = aten.nll_loss_forward(inp.local, target_local, w, 2, ignore_index)
+    if reduction == 2:
+        return (SPValue(total, Partial(), node.meta["val"][0]), SPValue(count, Partial(), node.meta["val"][1]))
+    total = gather(ctx, SPValue(total, Partial(), node.meta["val"][0]))
+    count = gather(ctx, SPValue(count, Partial(), node.meta["val"][1]))
+    return (SPValue(total / count, Replicate(), node.meta["val"][0]), SPValue(count, Replicate(), node.meta["val"][1]))
+
+
+# --- creation ---------------------------------------------------------------------------------
+
+
+@rule(aten.arange.default, aten.arange.start, aten.arange.start_step)
+def arange_rule(ctx, node, args, kwargs):
+    out_val = node.meta["val"]
+    axis = SeqAxis(0, ctx.seq_len) if out_val.shape[0] == ctx.seq_len else None
+    return replicated(ctx, node, args, kwargs, axis)
+
+
+def getitem(ctx: SPContext, node: torch.fx.Node, args: tuple, kwargs: dict) -> Any:
+    return operator.getitem(args[0], args[1])
+
+

@@ -1,0 +1,227 @@
+"""Shape ops: reshapes, permutations, slices, selects, splits and concatenation."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from autosp.sharding.context import SPContext, SPValue
+from autosp.sharding.dims import map_view, normalize_dim
+from autosp.sharding.placement import HeadShard, Partial, Replicate, SeqAxis, Shard
+from autosp.sharding.redistribute import to_replicate, to_shard
+from autosp.sharding.rules.base import (
+    RULES, all_replicated, call, fallback, replicated, rule, seq_dim, wrap,
+)
+
+aten = torch.ops.aten
+
+# --- shape ops ----------------------------------------------------------------------------------
+
+
+def _reshape(ctx: SPContext, node: torch.fx.Node, v: SPValue) -> SPValue:
+    out_val = node.meta["val"]
+    p = v.placement
+    if isinstance(p, (Replicate, Partial)):
+        axis = map_view(p.axis, v.gval.shape, out_val.shape) if isinstance(p, Replicate) and p.axis else None
+        local = v.local.reshape(out_val.shape)
+        return SPValue(local, Replicate(axis) if isinstance(p, Replicate) else p, out_val)
+    if isinstance(p, HeadShard):
+        v = to_replicate(ctx, v, f"{node.name}: reshape of head-sharded value")
+        return _reshape(ctx, node, v)
+    axis = map_view(p.axis, v.gval.shape, out_val.shape)
+    if axis is None:
+        v = to_replicate(ctx, v, f"{node.name}: reshape splits the sequence axis")
+        return _reshape(ctx, node, v)
+    shape = list(out_val.shape)
+    shape[axis.dim] = axis.outer(shape[axis.dim]) * p.local_length(ctx.rank) * axis.inner
+    return SPValue(v.local.reshape(shape), Shard(axis, p.ranges), out_val)
+
+
+@rule(
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.reshape.default,
+    aten.unsqueeze.default,
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+    aten.squeeze.default,
+    aten.flatten.using_ints,
+    aten.unflatten.int,
+)
+def reshape_rule(ctx, node, args, kwargs):
+    return _reshape(ctx, node, args[0])
+
+
+@rule(aten.expand.default)
+def expand_rule(ctx, node, args, kwargs):
+    v, sizes = args[0], list(args[1])
+    p = v.placement
+    shift = len(sizes) - v.ndim
+    if isinstance(p, Replicate):
+        axis = p.axis.at(p.axis.dim + shift) if p.axis else None
+        return replicated(ctx, node, args, kwargs, axis)
+    if isinstance(p, Shard):
+        dim = p.axis.dim + shift
+        sizes[dim] = v.local.shape[p.axis.dim]
+        return SPValue(v.local.expand(sizes), Shard(p.axis.at(dim), p.ranges), node.meta["val"])
+    return fallback(ctx, node, args, kwargs)
+
+
+def _permuted(ctx, node, args, kwargs, new_dim: Callable[[int], int]):
+    v = args[0]
+    p = v.placement
+    out = call(node, args, kwargs)
+    if isinstance(p, Replicate):
+        placement = Replicate(p.axis.at(new_dim(p.axis.dim)) if p.axis else None)
+    elif isinstance(p, Shard):
+        placement = Shard(p.axis.at(new_dim(p.axis.dim)), p.ranges)
+    elif isinstance(p, HeadShard):
+        placement = HeadShard(new_dim(p.dim), p.ranges)
+    else:
+        placement = p
+    return SPValue(out, placement, node.meta["val"])
+
+
+@rule(aten.permute.default)
+def permute_rule(ctx, node, args, kwargs):
+    order = [normalize_dim(d, args[0].ndim) for d in args[1]]
+    return _permuted(ctx, node, args, kwargs, order.index)
+
+
+@rule(aten.transpose.int)
+def transpose_rule(ctx, node, args, kwargs):
+    a, b = (normalize_dim(d, args[0].ndim) for d in args[1:3])
+    return _permuted(ctx, node, args, kwargs, lambda d: b if d == a else a if d == b else d)
+
+
+@rule(aten.t.default)
+def t_rule(ctx, node, args, kwargs):
+    return _permuted(ctx, node, args, kwargs, lambda d: (args[0].ndim - 1 - d) if args[0].ndim == 2 else d)
+
+
+
+
+@rule(aten.slice.Tensor)
+def slice_rule(ctx, node, args, kwargs):
+    v = args[0]
+    dim = normalize_dim(args[1] if len(args) > 1 else kwargs.get("dim", 0), v.ndim)
+    start = args[2] if len(args) > 2 else kwargs.get("start")
+    end = args[3] if len(args) > 3 else kwargs.get("end")
+    step = args[4] if len(args) > 4 else kwargs.get("step", 1)
+    p = v.placement
+    if seq_dim(p) != dim or isinstance(p, Partial):
+        return _same_placement(ctx, node, args, kwargs)
+    size = v.gval.shape[dim]
+    start, end = _clamp_range(start, end, size)
+    axis = p.axis
+    if axis.inner != 1 or axis.outer(size) != 1 or step != 1:
+        if isinstance(p, Replicate):
+            return replicated(ctx, node, args, kwargs)
+        return fallback(ctx, node, args, kwargs)
+    new_axis = SeqAxis(dim, end - start)
+    if isinstance(p, Replicate):
+        return replicated(ctx, node, args, kwargs, new_axis)
+    lo, hi = p.ranges[ctx.rank]
+    a = min(max(start - lo, 0), hi - lo)
+    b = min(max(end - lo, 0), hi - lo)
+    ranges = tuple(
+        (min(max(l, start), end) - start, min(max(h, start), end) - start) for l, h in p.ranges  # noqa: E741
+    )
+    return SPValue(v.local.narrow(dim, a, b - a), Shard(new_axis, ranges), node.meta["val"])
+
+
+def _clamp_range(start: Any, end: Any, size: int) -> tuple[int, int]:
+    start = 0 if start is None else start
+    end = size if end is None else end
+    start = start + size if start < 0 else start
+    end = end + size if end < 0 else end
+    return min(max(start, 0), size), min(max(end, 0), size)
+
+
+def _same_placement(ctx, node, args, kwargs):
+    """Ops that act on dims other than the sequence and keep its position."""
+    v = args[0]
+    out = call(node, args, kwargs)
+    return wrap(out, node.meta["val"], lambda _i, _g: v.placement)
+
+
+@rule(aten.select.int)
+def select_rule(ctx, node, args, kwargs):
+    v, dim, index = args
+    dim = normalize_dim(dim, v.ndim)
+    p = v.placement
+    seq = seq_dim(p)
+    if seq != dim:
+        out = call(node, args, kwargs)
+        if isinstance(p, (Shard, Replicate)) and seq is not None:
+            axis = p.axis.at(seq - 1 if seq > dim else seq)
+            placement = Shard(axis, p.ranges) if isinstance(p, Shard) else Replicate(axis)
+        else:
+            placement = Replicate() if isinstance(p, Replicate) else p
+        return SPValue(out, placement, node.meta["val"])
+    if isinstance(p, Replicate):
+        return replicated(ctx, node, args, kwargs)
+    if p.axis.inner != 1 or p.axis.outer(v.gval.shape[dim]) != 1:
+        return fallback(ctx, node, args, kwargs)
+    # Only the owner of the position holds it: a partial sum with zeros elsewhere avoids a gather.
+    index = index + v.gval.shape[dim] if index < 0 else index
+    lo, hi = p.ranges[ctx.rank]
+    if lo <= index < hi:
+        out = v.local.select(dim, index - lo)
+    else:
+        # Zeros that still depend on the input: every rank must need the same backward collectives.
+        out = v.local.sum(dim) * 0
+    return SPValue(out, Partial(), node.meta["val"])
+
+
+def _split_like(ctx, node, args, kwargs):
+    v = args[0]
+    dim = normalize_dim(args[2] if len(args) > 2 else kwargs.get("dim", 0), v.ndim)
+    if seq_dim(v.placement) == dim and not isinstance(v.placement, Replicate):
+        return fallback(ctx, node, args, kwargs)
+    return _same_placement(ctx, node, args, kwargs)
+
+
+RULES[aten.split.Tensor] = _split_like
+RULES[aten.split_with_sizes.default] = _split_like
+
+
+@rule(aten.unbind.int)
+def unbind_rule(ctx, node, args, kwargs):
+    v = args[0]
+    dim = normalize_dim(args[1] if len(args) > 1 else 0, v.ndim)
+    p = v.placement
+    seq = seq_dim(p)
+    if seq == dim and not isinstance(p, Replicate):
+        return fallback(ctx, node, args, kwargs)
+    if isinstance(p, (Shard, Replicate)) and seq is not None:
+        axis = p.axis.at(seq - 1 if seq > dim else seq)
+        placement = Shard(axis, p.ranges) if isinstance(p, Shard) else Replicate(axis)
+    else:
+        placement = Replicate() if isinstance(p, Replicate) else p
+    return wrap(call(node, args, kwargs), node.meta["val"], lambda _i, _g: placement)
+
+
+@rule(aten.cat.default)
+def cat_rule(ctx, node, args, kwargs):
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    out_val = node.meta["val"]
+    dim = normalize_dim(dim, out_val.dim())
+    # cat skips 1-D empty tensors (an empty KV cache, say); so do we.
+    tensors = [t for t in args[0] if not (t.ndim == 1 and t.gval.numel() == 0)]
+    if len(tensors) == 1 and tensors[0].ndim == out_val.dim():
+        only = tensors[0]
+        return SPValue(only.local.clone(), only.placement, out_val)
+    args = (tensors, *args[1:])
+    if all_replicated(tensors):
+        axis = next((t.placement.axis for t in tensors if t.placement.axis and t.placement.axis.dim != dim), None)
+        return replicated(ctx, node, args, kwargs, axis)
+    lead = next((t for t in tensors if isinstance(t.placement, Shard)), None)
+    if lead is None or lead.placement.axis.dim == dim or any(isinstance(t.placement, (Partial, HeadShard)) for t in tensors):
+        return fallback(ctx, node, args, kwargs)
+    target = lead.placement
+    parts = [to_shard(ctx, t, target.axis.dim, target) for t in tensors]
+    return SPValue(torch.cat(parts, dim), Shard(target.axis, target.ranges), out_val)
+
+
