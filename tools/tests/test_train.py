@@ -11,7 +11,7 @@ from autosp_tools import checkpoint
 from autosp_tools.dataset import VOCAB_SIZE, batch_at, load_tokens
 from autosp_tools.train import TrainConfigError, run
 
-TINY = ["--model-size", "tiny", "--seq-len", "128", "--batch-size", "2", "--steps", "6", "--seed", "3", "--quiet"]
+TINY = ["--model-size", "tiny", "--seq-len", "128", "--batch-size", "2", "--steps", "20", "--seed", "3", "--quiet"]
 RTOL = 1e-4
 
 
@@ -42,6 +42,12 @@ def test_two_sp_ranks_match_one(single: list[float]) -> None:
     assert single[-1] < single[0]  # it learns
 
 
+def test_four_sp_ranks_match_one(single: list[float]) -> None:
+    # Four ranks share each sequence; 2 kv heads on 4 ranks are replicated rather than split.
+    result = run(TINY + ["--sp-size", "4", "--nproc", "4"])
+    assert_curves_close(result.losses, single)
+
+
 def test_two_sp_groups_match_one(single_builtin: list[float]) -> None:
     # Two SP groups of one rank each split the batch and average gradients.
     result = run(BUILTIN + ["--sp-size", "1", "--nproc", "2"])
@@ -55,7 +61,7 @@ def test_resume_reproduces_uninterrupted_curve(single_builtin: list[float], tmp_
     assert (first.start_step, first.end_step) == (0, 3)
     assert checkpoint.latest(ckpt) == checkpoint.path_for(ckpt, 3)
     second = run(BUILTIN + ["--sp-size", "2", "--checkpoint-dir", ckpt, "--resume"])
-    assert (second.start_step, second.end_step) == (3, 6)
+    assert (second.start_step, second.end_step) == (3, 20)
     assert_curves_close(first.losses + second.losses, single_builtin)
 
 

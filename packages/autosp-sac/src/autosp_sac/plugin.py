@@ -5,12 +5,16 @@ from __future__ import annotations
 from autosp import Pass, Stage, hookimpl
 from autosp_sac.policy import audit_backward, tag
 
+def _sac_on(ctx) -> bool:
+    return ctx.options.sac is not False and ctx.options.backend != "eager"
+
+
 SAC_PASS = Pass(
     "sac.policy",
     Stage.JOINT,
     lambda gm, ctx: tag(gm, ctx),
     after=("autosp.sync_grads",),
-    applies=lambda ctx: ctx.options.sac is not False and ctx.options.backend != "eager",
+    applies=_sac_on,
     doc="sequence-aware activation checkpointing: save attention, recompute the cheap rest",
 )
 
@@ -20,6 +24,7 @@ AUDIT_PASS = Pass(
     Stage.BACKWARD,
     lambda gm, ctx: audit_backward(gm, ctx),
     after=("autosp.dce_backward",),
+    applies=_sac_on,
     doc="count attention forwards recomputed in the backward (should be zero)",
 )
 
