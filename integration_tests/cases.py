@@ -95,3 +95,15 @@ def matmul_shapes(rank: int, world: int, batch: dict[str, torch.Tensor], backend
         if evt.name in ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear"):
             shapes.extend(list(s) for s in evt.input_shapes if s)
     return shapes
+
+
+def dynamic_lengths(rank: int, world: int, batches: list[torch.Tensor]) -> dict[str, Any]:
+    """One compiled graph for several sequence lengths, marked dynamic by the user."""
+    model = build("llama")
+    compiled = autosp.compile(model, backend="aot_eager", fullgraph=True)
+    steps = []
+    for ids in batches:
+        torch._dynamo.mark_dynamic(ids, 1)
+        model.zero_grad(set_to_none=True)
+        steps.append(step(compiled, "llama", {"ids": ids, "labels": ids}))
+    return {"steps": steps, "graphs": len(compiled.autosp_reports)}

@@ -76,3 +76,13 @@ def test_matmuls_see_only_local_tokens():
     local_tokens = batch * seq // world
     # Model dims (64, 128, 96) are at most the local token count; a full-sequence matmul would show 256.
     assert max(max(s) for s in shapes) <= local_tokens, sorted({tuple(s) for s in shapes})
+
+
+def test_dynamic_sequence_length_reuses_one_graph():
+    gen = torch.Generator().manual_seed(5)
+    batches = [torch.randint(0, 96, (2, s), generator=gen) for s in (32, 48, 64)]
+    per_rank = run_spmd(cases.dynamic_lengths, 2, batches)
+    for result in per_rank:
+        assert result["graphs"] == 1
+        for ids, got in zip(batches, result["steps"]):
+            assert_matches(got, cases.reference("llama", {"ids": ids, "labels": ids}), f"llama S={ids.shape[1]}")

@@ -22,7 +22,20 @@ from autosp.report import Report
 _graph_ids = itertools.count()
 
 
-def _fake_inputs(example_inputs: Sequence[Any]) -> tuple[list[Any], Any]:
+def _fake_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[list[Any], Any]:
+    """Fake inputs to trace with, and their fake mode.
+
+    With symbolic shapes, Dynamo's own fakes (placeholder ``example_value``) carry the
+    sizes as symbols of its ShapeEnv, so the rewrite stays valid for every length.
+    """
+    values = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
+    symbolic = any(isinstance(v, torch.SymInt) for v in values) or any(
+        isinstance(v, torch.Tensor) and any(not isinstance(s, int) for s in v.shape) for v in values
+    )
+    if symbolic:
+        mode = next(v.fake_mode for v in values if isinstance(v, torch.Tensor))
+        fakes = [v if v is not None else mode.from_tensor(x) for v, x in zip(values, example_inputs)]
+        return fakes, mode
     # The backend's fake mode (the tracing context's), not the one Dynamo traced with.
     fake_mode = detect_fake_mode(example_inputs)
     if fake_mode is None:
@@ -44,7 +57,7 @@ def make_context(
 ) -> CompileContext:
     rank = dist.get_rank(group) if world > 1 else 0
     names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
-    fakes, fake_mode = _fake_inputs(example_inputs)
+    fakes, fake_mode = _fake_inputs(gm, example_inputs)
     variant = registry.variant(options.variant) if world > 1 else None
     graph_id = next(_graph_ids)
     report = Report(graph_id, options.variant, world, rank, options.backend)

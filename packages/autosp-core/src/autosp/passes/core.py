@@ -19,6 +19,14 @@ def _specs(ctx: CompileContext) -> list:
     return [SDPA, *ctx.registry.attention.values()]
 
 
+def _concrete(n: int | torch.SymInt) -> int | torch.SymInt:
+    """A plain int for sizes Dynamo specialised (a SymInt of a constant is tracked by no trace)."""
+    if isinstance(n, torch.SymInt):
+        value = n.node.maybe_as_int()
+        return n if value is None else value
+    return n
+
+
 def find_attention(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
     if not ctx.sp:
         # Only for the report: one rank changes nothing, so odd attention shapes are fine.
@@ -36,18 +44,14 @@ def find_attention(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
             "and would change results; use F.scaled_dot_product_attention, register your attention op with an "
             "autosp plugin (autosp_register_attention), or compile with sp_size=1"
         )
-    lengths = [s.seq_len for s in ctx.sites] + [s.kv_seq_len for s in ctx.sites]
-    if any(not isinstance(n, int) for n in lengths):
-        raise AutoSPError(
-            "dynamic sequence lengths are not supported with sp_size > 1 yet; compile with dynamic=False "
-            "(each new length recompiles) or pad batches to a few fixed lengths"
-        )
-    if len(set(lengths)) != 1:
-        raise AutoSPError(
-            f"attention sites disagree on the sequence length ({sorted(set(lengths))}); AutoSP shards "
-            "self-attention over one sequence; cross-attention with another length is not supported"
-        )
+    lengths = [_concrete(s.seq_len) for s in ctx.sites] + [_concrete(s.kv_seq_len) for s in ctx.sites]
     seq = lengths[0]
+    # With a symbolic length these comparisons become guards: a length that breaks them recompiles.
+    if any(n != seq for n in lengths):
+        raise AutoSPError(
+            f"attention sites disagree on the sequence length ({sorted(map(str, set(map(str, lengths))))}); "
+            "AutoSP shards self-attention over one sequence; cross-attention with another length is not supported"
+        )
     if seq % ctx.world:
         raise AutoSPError(
             f"sequence length {seq} is not divisible by sp_size={ctx.world}; pad the batch to a multiple of "
@@ -81,7 +85,15 @@ def shard(gm: torch.fx.GraphModule, ctx: CompileContext) -> torch.fx.GraphModule
         sites={s.name: s for s in ctx.sites},
         variant_options=dict(ctx.options.variant_options),
     )
-    out = shard_graph(gm, sp, ctx.fake_inputs, ctx.is_param, ctx.fake_mode)
+    try:
+        out = shard_graph(gm, sp, ctx.fake_inputs, ctx.is_param, ctx.fake_mode)
+    except RuntimeError as e:
+        if isinstance(sp.seq_len, int) or "is not tracked with proxy" not in str(e):
+            raise
+        raise AutoSPError(
+            f"AutoSP could not trace this model with a dynamic sequence length ({sp.seq_len}); compile without "
+            "marking the length dynamic (each new length then compiles once)"
+        ) from e
     for node in out.graph.nodes:
         if node.op == "call_function" and node.target in C.COLLECTIVE_OPS:
             ctx.report.collectives[node.target._opname] += 1

@@ -225,3 +225,12 @@ def cat_rule(ctx, node, args, kwargs):
     return SPValue(torch.cat(parts, dim), Shard(target.axis, target.ranges), out_val)
 
 
+
+
+@rule(aten.sym_size.int)
+def sym_size_rule(ctx, node, args, kwargs):
+    # Shapes in the graph are global sizes; rules derive the local ones, so answer globally.
+    v, dim = args
+    if isinstance(v.placement, Replicate):
+        return v.local.size(dim)
+    return v.gval.shape[dim]

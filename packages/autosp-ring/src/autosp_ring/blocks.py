@@ -1,0 +1,117 @@
+"""One block of ring attention: q of one sequence chunk against k/v of another.
+
+Everything is computed in fp32 and merged through the log-sum-exp, so the order
+in which blocks arrive does not change the result beyond rounding.  Masks are
+built from global positions: causal keeps ``k <= q``; a sliding window of
+``window`` keeps ``0 <= q - k < window`` (causal sliding window, as in Mistral).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+NEG_INF = float("-inf")
+
+
+def block_mask(q_off: int, q_len: int, k_off: int, k_len: int, causal: bool, window: int,
+               device: torch.device) -> Tensor | None:
+    """Boolean [q_len, k_len] mask of allowed pairs, or None when every pair is allowed."""
+    if not causal and window <= 0:
+        return None
+    qpos = torch.arange(q_off, q_off + q_len, device=device)[:, None]
+    kpos = torch.arange(k_off, k_off + k_len, device=device)[None, :]
+    allowed = kpos <= qpos
+    if window > 0:
+        allowed = allowed & (qpos - kpos < window)
+    return allowed
+
+
+def block_needed(q_off: int, q_len: int, k_off: int, k_len: int, causal: bool, window: int) -> bool:
+    """Whether any (q, k) pair of the block is allowed; skipped blocks cost no compute."""
+    return allowed_pairs(q_off, q_len, k_off, k_len, causal, window) > 0
+
+
+def allowed_pairs(q_off: int, q_len: int, k_off: int, k_len: int, causal: bool, window: int) -> int:
+    """Number of unmasked score entries of a block (per batch row and head): its work."""
+    if not causal and window <= 0:
+        return q_len * k_len
+    total = 0
+    for i in range(q_off, q_off + q_len):
+        hi = min(i, k_off + k_len - 1)  # causal: k <= i
+        lo = k_off if window <= 0 else max(k_off, i - window + 1)
+        total += max(0, hi - lo + 1)
+    return total
+
+
+def expand_kv(x: Tensor, heads: int) -> Tensor:
+    """GQA: kv head h serves query heads h*g .. h*g+g-1 (SDPA's enable_gqa); expanded locally only."""
+    kv = x.shape[1]
+    if kv == heads:
+        return x
+    return x.repeat_interleave(heads // kv, dim=1)
+
+
+def reduce_kv(dx: Tensor, kv_heads: int) -> Tensor:
+    """Gradient of ``expand_kv``: sum over the query heads that shared a kv head."""
+    b, h, s, d = dx.shape
+    if h == kv_heads:
+        return dx
+    return dx.view(b, kv_heads, h // kv_heads, s, d).sum(2)
+
+
+def _safe(lse: Tensor) -> Tensor:
+    # Fully masked rows have lse = -inf; subtracting 0 instead keeps their probabilities exactly 0.
+    return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+
+
+def _scores(q: Tensor, k: Tensor, scale: float, mask: Tensor | None) -> Tensor:
+    s = torch.matmul(q.float(), expand_kv(k, q.shape[1]).float().transpose(-1, -2)) * scale
+    if mask is not None:
+        s = s.masked_fill(~mask, NEG_INF)
+    return s
+
+
+def block_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, mask: Tensor | None) -> tuple[Tensor, Tensor]:
+    """(out, lse) of one block in fp32; rows with no allowed key get out 0 and lse -inf."""
+    s = _scores(q, k, scale, mask)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - _safe(lse)[..., None])
+    return torch.matmul(p, expand_kv(v, q.shape[1]).float()), lse
+
+
+def merge(out: Tensor, lse: Tensor, b_out: Tensor, b_lse: Tensor) -> tuple[Tensor, Tensor]:
+    """Combine two partial softmax results (fp32) through their log-sum-exps."""
+    m = _safe(torch.maximum(lse, b_lse))
+    ea, eb = torch.exp(lse - m), torch.exp(b_lse - m)
+    denom = ea + eb
+    new_lse = m + torch.log(denom)
+    denom = denom.clamp_min(torch.finfo(denom.dtype).tiny)
+    return out * (ea / denom)[..., None] + b_out * (eb / denom)[..., None], new_lse
+
+
+def block_backward(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: Tensor, scale: float,
+                   mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """fp32 (dq, dk, dv) of one block given the final lse and delta = rowsum(dout * out)."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    s = _scores(q, k, scale, mask)
+    p = torch.exp(s - _safe(lse)[..., None])
+    ve = expand_kv(v, heads).float()
+    dv = torch.matmul(p.transpose(-1, -2), dout)
+    dp = torch.matmul(dout, ve.transpose(-1, -2))
+    ds = p * (dp - delta[..., None])
+    dq = torch.matmul(ds, expand_kv(k, heads).float()) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), q.float()) * scale
+    return dq, reduce_kv(dk, kv_heads), reduce_kv(dv, kv_heads)
+
+
+def default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)
+
+
+__all__ = [
+    "allowed_pairs", "block_backward", "block_forward", "block_mask", "block_needed", "default_scale",
+    "expand_kv", "merge", "reduce_kv",
+]

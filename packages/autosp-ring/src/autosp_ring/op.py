@@ -1,0 +1,175 @@
+"""Ring attention as one opaque custom op with a hand-written ring backward.
+
+Rank ``c`` of the ring group holds query chunk ``c`` (positions ``[c*L, (c+1)*L)``)
+and its own k/v chunk.  k/v travel one hop per step (P2P isend/irecv, the
+next hop overlapping this block's compute); each block's partial result merges
+into fp32 (out, lse).  The backward makes the same trip: k/v travel again with
+fp32 dk/dv accumulators, which end up back at their owner.  Every rank keeps
+O(S/P) activations: its q, k, v, out and lse.
+
+The op is opaque to make_fx/AOT autograd (``custom_op``), so its P2P traffic is
+never traced; all ranks run the same number of steps, so every send has its receive.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+from autosp_ring.blocks import block_backward, block_forward, block_mask, block_needed, merge
+
+# Blocks computed by this process: ("forward"|"backward", "computed"|"skipped") -> count. Lets
+# callers measure causal imbalance (rank 0 skips most blocks, the last rank none).
+BLOCK_COUNTS: Counter = Counter()
+
+_KV_TAG, _GRAD_TAG = 0, 1
+
+
+class _Ring:
+    """This rank's place in the ring group, and one-hop exchanges along it."""
+
+    def __init__(self, group_name: str) -> None:
+        self.group = _resolve_process_group(group_name)
+        self.rank = dist.get_rank(self.group)
+        self.world = dist.get_world_size(self.group)
+
+    def _global(self, r: int) -> int:
+        return dist.get_global_rank(self.group, r % self.world)
+
+    def start(self, buf: Tensor, offset: int, tag: int) -> Any:
+        """Send ``buf`` to rank+offset and receive the same-sized buffer from rank-offset."""
+        recv = torch.empty_like(buf)
+        ops = [
+            dist.P2POp(dist.isend, buf, self._global(self.rank + offset), self.group, tag),
+            dist.P2POp(dist.irecv, recv, self._global(self.rank - offset), self.group, tag),
+        ]
+        return dist.batch_isend_irecv(ops), recv
+
+    @staticmethod
+    def finish(pending: Any) -> Tensor:
+        works, recv = pending
+        for w in works:
+            w.wait()
+        return recv
+
+
+def num_steps(world: int, chunk: int, window: int) -> int:
+    """Ring steps needed: all P, or fewer when a sliding window never reaches that far back."""
+    if window <= 0:
+        return world
+    return min(world, 1 + (window - 1 + chunk - 1) // chunk)
+
+
+def _pack(*xs: Tensor) -> Tensor:
+    return torch.cat([x.reshape(-1) for x in xs])
+
+
+def _unpack(buf: Tensor, like: tuple[Tensor, ...]) -> list[Tensor]:
+    out, at = [], 0
+    for x in like:
+        out.append(buf[at : at + x.numel()].view(x.shape))
+        at += x.numel()
+    return out
+
+
+@torch.library.custom_op("autosp_ring::ring_attention", mutates_args=())
+def ring_attention(
+    q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float, window: int, group_name: str
+) -> tuple[Tensor, Tensor]:
+    """Attention of this rank's query chunk over the whole sequence: (out [B,H,L,Dv], fp32 lse [B,H,L])."""
+    ring = _Ring(group_name)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    chunk, c, world = q.shape[2], ring.rank, ring.world
+    b, h = q.shape[0], q.shape[1]
+    out = q.new_zeros((b, h, chunk, v.shape[-1]), dtype=torch.float32)
+    lse = q.new_full((b, h, chunk), float("-inf"), dtype=torch.float32)
+    buf = _pack(k, v)
+    steps = num_steps(world, chunk, window)
+    for s in range(steps):
+        pending = ring.start(buf, 1, _KV_TAG) if s < steps - 1 else None
+        j = (c - s) % world
+        if block_needed(c * chunk, chunk, j * chunk, chunk, is_causal, window):
+            kj, vj = _unpack(buf, (k, v))
+            mask = block_mask(c * chunk, chunk, j * chunk, chunk, is_causal, window, q.device)
+            out, lse = merge(out, lse, *block_forward(q, kj, vj, scale, mask))
+            BLOCK_COUNTS["forward", "computed"] += 1
+        else:
+            BLOCK_COUNTS["forward", "skipped"] += 1
+        if pending is not None:
+            buf = ring.finish(pending)
+    return out.to(q.dtype), lse
+
+
+@ring_attention.register_fake
+def _(q, k, v, is_causal, scale, window, group_name):
+    b, h, chunk = q.shape[0], q.shape[1], q.shape[2]
+    return q.new_empty((b, h, chunk, v.shape[-1])), q.new_empty((b, h, chunk), dtype=torch.float32)
+
+
+@torch.library.custom_op("autosp_ring::ring_attention_backward", mutates_args=())
+def ring_attention_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+    is_causal: bool, scale: float, window: int, group_name: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of this rank's chunks; dk/dv sum the contributions of every rank's queries."""
+    ring = _Ring(group_name)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    chunk, c, world = q.shape[2], ring.rank, ring.world
+    dout32 = dout.float()
+    delta = (dout32 * out.float()).sum(-1)
+    dq = torch.zeros_like(q, dtype=torch.float32)
+    buf = _pack(k, v)
+    grads = torch.zeros(buf.numel(), dtype=torch.float32, device=q.device)
+    steps = num_steps(world, chunk, window)
+    for s in range(steps):
+        pending_kv = ring.start(buf, 1, _KV_TAG) if s < steps - 1 else None
+        j = (c - s) % world
+        if block_needed(c * chunk, chunk, j * chunk, chunk, is_causal, window):
+            kj, vj = _unpack(buf, (k, v))
+            mask = block_mask(c * chunk, chunk, j * chunk, chunk, is_causal, window, q.device)
+            dq_b, dk_b, dv_b = block_backward(q, kj, vj, dout32, lse, delta, scale, mask)
+            dq += dq_b
+            grads += _pack(dk_b, dv_b)
+            BLOCK_COUNTS["backward", "computed"] += 1
+        else:
+            BLOCK_COUNTS["backward", "skipped"] += 1
+        if pending_kv is not None:
+            # The accumulator of chunk j follows chunk j around the ring.
+            grads = ring.finish(ring.start(grads, 1, _GRAD_TAG))
+            buf = ring.finish(pending_kv)
+    back = (steps - 1) % world
+    if back:
+        # This rank now holds chunk c-(steps-1)'s accumulator: hand it to its owner.
+        grads = ring.finish(ring.start(grads, -back, _GRAD_TAG))
+    dk, dv = _unpack(grads, (k, v))
+    # dk and dv are views of one buffer: copies, since custom op outputs may not alias.
+    return dq.to(q.dtype), dk.to(k.dtype, copy=True), dv.to(v.dtype, copy=True)
+
+
+@ring_attention_backward.register_fake
+def _(dout, q, k, v, out, lse, is_causal, scale, window, group_name):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup(ctx: Any, inputs: tuple, output: tuple) -> None:
+    q, k, v, ctx.is_causal, ctx.scale, ctx.window, ctx.group_name = inputs
+    ctx.save_for_backward(q, k, v, *output)
+
+
+def _backward(ctx: Any, dout: Tensor, dlse: Tensor | None):
+    # lse is an auxiliary output for merging; AutoSP never differentiates through it.
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = torch.ops.autosp_ring.ring_attention_backward(
+        dout.contiguous(), q, k, v, out, lse, ctx.is_causal, ctx.scale, ctx.window, ctx.group_name
+    )
+    return dq, dk, dv, None, None, None, None
+
+
+ring_attention.register_autograd(_backward, setup_context=_setup)
+
+__all__ = ["BLOCK_COUNTS", "num_steps", "ring_attention", "ring_attention_backward"]

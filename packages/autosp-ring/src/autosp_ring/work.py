@@ -1,0 +1,37 @@
+"""Per-rank work of the ring layout, to measure causal load balance without running anything."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autosp_ring.blocks import allowed_pairs
+from autosp_ring.op import num_steps
+
+
+@dataclass(frozen=True)
+class RankWork:
+    """What one rank computes in one ring attention forward (per batch row and head)."""
+
+    blocks: int  # blocks with at least one allowed (q, k) pair
+    skipped: int  # blocks fully masked: their k/v only pass through
+    pairs: int  # unmasked score entries
+
+
+def ring_work(seq: int, world: int, causal: bool, window: int = 0) -> list[RankWork]:
+    """Work per rank for the contiguous layout (rank r holds chunk r); the max/mean ratio is the imbalance."""
+    chunk = seq // world
+    steps = num_steps(world, chunk, window)
+    result = []
+    for c in range(world):
+        pairs = [allowed_pairs(c * chunk, chunk, ((c - s) % world) * chunk, chunk, causal, window) for s in range(steps)]
+        result.append(RankWork(sum(p > 0 for p in pairs), sum(p == 0 for p in pairs), sum(pairs)))
+    return result
+
+
+def imbalance(work: list[RankWork]) -> float:
+    """max / mean of unmasked pairs over ranks: 1.0 is perfectly balanced."""
+    total = [w.pairs for w in work]
+    return max(total) / (sum(total) / len(total))
+
+
+__all__ = ["RankWork", "imbalance", "ring_work"]
