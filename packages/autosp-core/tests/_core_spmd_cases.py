@@ -27,10 +27,16 @@ def _error_of(fn) -> tuple[str, str] | None:
 
 def config_errors(rank: int, world: int) -> dict[str, Any]:
     """Every bad-input case on a real process group; collectives are trapped to prove none ran."""
+    import os
+
     import autosp
     from _core_helpers import MLP
+    from autosp.registry import reset_registry
     from models import Config, GPT2Like
 
+    # Ring must look "not installed" whether or not autosp-ring is: block it.
+    os.environ["AUTOSP_BLOCK_PLUGINS"] = "autosp-ring"
+    reset_registry()
     called: list[str] = []
     saved = {name: getattr(dist, name) for name in COLLECTIVES}
 
