@@ -44,11 +44,11 @@ def run(rank: int, world: int, seq: int, sacs: list, dropout: bool) -> dict:
     return out
 
 
-def saved_bytes(seq: int, sac) -> tuple[int, dict]:
+def saved_bytes(seq: int, sac, backend: str = "aot_eager") -> tuple[int, dict]:
     """Bytes saved for backward by one compiled forward (parameters excluded), one process."""
     torch._dynamo.reset()
     model = build(False)
-    compiled = autosp.compile(model, sac=sac, backend="aot_eager")
+    compiled = autosp.compile(model, sac=sac, backend=backend)
     ids = torch.randint(0, 96, (1, seq), generator=torch.Generator().manual_seed(0))
     compiled(ids, ids).backward()
     params = {p.data_ptr() for p in model.parameters()}

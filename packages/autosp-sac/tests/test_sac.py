@@ -73,3 +73,11 @@ def test_sp_results_identical_across_sac(world):
         for sac in ("True", "auto"):
             assert_same(res["False"], res[sac])
         assert res["True"]["sac"]["attention forwards in backward"] == 0
+
+
+def test_inductor_applies_the_policy_despite_its_caches():
+    # Same joint graph, different SAC option: Inductor's caches must not hand one the other's partition.
+    off, _ = cases.saved_bytes(256, False, "inductor")
+    on, report = cases.saved_bytes(256, True, "inductor")
+    assert report["attention forwards in backward"] == 0
+    assert on * 4 < off, (on, off)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 import itertools
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -87,6 +90,18 @@ class _Partitioner:
     def __init__(self, manager: PassManager, ctx: CompileContext) -> None:
         self.manager, self.ctx = manager, ctx
 
+    def cache_key(self) -> str:
+        """Everything the partition depends on besides the joint graph: Inductor and AOT caches key on it."""
+        ctx = self.ctx
+        sources = sorted({inspect.getsourcefile(p.fn) or p.name for p in self.manager.passes})
+        digest = hashlib.sha256()
+        for path in sources:
+            digest.update(Path(path).read_bytes() if Path(path).is_file() else path.encode())
+        opts = ctx.options
+        digest.update(repr((opts.sac, opts.variant, sorted(opts.variant_options.items()), ctx.world, ctx.rank,
+                            ctx.hardware.name, [p.name for p in self.manager.passes])).encode())
+        return "autosp-" + digest.hexdigest()
+
     def __call__(self, joint: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any):
         self.ctx.extra["num_fwd_outputs"] = kwargs["num_fwd_outputs"]
         joint = self.manager.run(Stage.JOINT, joint, self.ctx)
@@ -112,13 +127,12 @@ class InductorPartitioner(_custom_partitioner_base()):
     def __call__(self, gm, joint_inputs, **kwargs):
         return self.partition(gm, joint_inputs, **kwargs)
 
-    def uuid(self) -> None:
-        # The partition depends on rank, group and plugin passes: never serve it from the cache.
-        return None
+    def uuid(self) -> str:
+        return self.partition.cache_key()
 
     def __reduce__(self):
-        # Inductor pickles config for its cache key; the key is unused since uuid() is None.
-        return (str, ("autosp-partitioner",))
+        # Inductor pickles its config into cache keys; what makes partitions differ is the uuid.
+        return (str, (self.uuid(),))
 
 
 def compile_graph(

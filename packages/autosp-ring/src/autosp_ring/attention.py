@@ -1,0 +1,119 @@
+"""The ring rule at one attention site: q stays put, k/v travel (``variant="ring"``).
+
+q, k and v are laid out as contiguous even sequence chunks (rank r: positions
+``[r*S/P, (r+1)*S/P)``), the ring op runs, and its output keeps q's layout.
+Heads are never split, so any head count works on any number of ranks; GQA k/v
+travel with their Hkv heads and are expanded per block on arrival.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from autosp.analysis.attention import AttentionSite
+from autosp.errors import AutoSPError
+from autosp.lowering import SDPA, sdpa_args
+from autosp.sharding.context import SPContext, SPValue
+from autosp.sharding.placement import Replicate, SeqAxis, Shard
+from autosp.sharding.redistribute import to_shard
+
+from autosp_ring.blocks import default_scale
+
+# Plugin attention specs with this name are causal sliding-window attention called as
+# ``op(q, k, v, window)`` (see plugins/autosp-window); ring handles them natively.
+SLIDING_WINDOW = "sliding_window"
+
+SUPPORTED = (
+    "ring attention supports F.scaled_dot_product_attention with is_causal=True or no mask, "
+    f"and plugin ops registered as {SLIDING_WINDOW!r} attention (causal sliding window, e.g. autosp-window's "
+    "autosp_window.sliding_window_attention)"
+)
+
+
+def check(site: AttentionSite, world: int) -> None:
+    """Compile-time refusal of what the ring op cannot compute exactly (runs before any collective)."""
+    if site.spec.name not in (SDPA.name, SLIDING_WINDOW):
+        raise AutoSPError(f"attention {site.name} is a {site.spec.name!r} op; {SUPPORTED}; or use variant='ulysses'")
+    if site.mask_shape is not None:
+        raise AutoSPError(
+            f"attention {site.name} gets an attn_mask tensor {list(site.mask_shape)}, which ring attention cannot "
+            f"split over the ring in general; {SUPPORTED}. Use is_causal=True instead of a causal mask, or "
+            "variant='ulysses' for arbitrary masks"
+        )
+    if sorted(site.spec.layout) != sorted("BHSD"):
+        raise AutoSPError(f"attention {site.name}: layout {site.spec.layout!r} is not a permutation of BHSD")
+
+
+@dataclass
+class Call:
+    """One attention call in ring terms: q/k/v values and what the op needs."""
+
+    q: SPValue
+    k: SPValue
+    v: SPValue
+    causal: bool
+    scale: float
+    window: int
+
+
+def _plain(x: Any) -> Any:
+    return x.local if isinstance(x, SPValue) else x
+
+
+def parse(node: torch.fx.Node, site: AttentionSite, args: tuple, kwargs: dict) -> Call:
+    spec = site.spec
+    if spec.leaf is not None and node.target == spec.leaf:
+        a = sdpa_args(args, kwargs)
+        if a["attn_mask"] is not None:
+            raise AutoSPError(f"attention {site.name} gets an attn_mask tensor; {SUPPORTED}")
+        if a["dropout_p"]:
+            raise AutoSPError(f"attention {site.name}: dropout_p={a['dropout_p']} is not supported by ring attention")
+        scale = a["scale"] if a["scale"] is not None else default_scale(site.head_dim)
+        return Call(a["query"], a["key"], a["value"], bool(a["is_causal"]), float(scale), 0)
+    q, k, v = (args[i] for i in spec.qkv)
+    window = _plain(args[3]) if len(args) > 3 else _plain(kwargs["window"])
+    if not isinstance(window, int) or window < 1:
+        raise AutoSPError(f"attention {site.name}: window={window!r}; ring needs a constant int >= 1")
+    return Call(q, k, v, True, default_scale(site.head_dim), window)
+
+
+def to_bhsd(site: AttentionSite, x: torch.Tensor) -> torch.Tensor:
+    order = [site.spec.layout.index(c) for c in "BHSD"]
+    return x.permute(order).contiguous()
+
+
+def from_bhsd(site: AttentionSite, x: torch.Tensor) -> torch.Tensor:
+    order = ["BHSD".index(c) for c in site.spec.layout]
+    return x.permute(order)
+
+
+def seq_chunks(ctx: SPContext, site: AttentionSite, call: Call) -> tuple[torch.Tensor, ...]:
+    """q, k, v as this rank's contiguous even chunk, in BHSD."""
+    sdim, length = site.axis("S"), site.seq_len
+    target = Shard(SeqAxis(sdim, length), ctx.even_ranges(length))
+    out = []
+    for x in (call.q, call.k, call.v):
+        if not isinstance(x, SPValue):
+            x = SPValue(x, Replicate(), x)
+        if x.ndim != len(site.spec.layout):
+            raise AutoSPError(f"attention {site.name}: q/k/v of rank {x.ndim}, layout {site.spec.layout!r}")
+        local = to_shard(ctx, x, sdim, target)
+        if isinstance(x.placement, Shard) and not x.placement.same_layout(target):
+            ctx.note("relayout")
+        out.append(to_bhsd(site, local))
+    return tuple(out)
+
+
+def ring_attention_rule(ctx: SPContext, node: torch.fx.Node, site: AttentionSite, args: tuple, kwargs: dict) -> SPValue:
+    call = parse(node, site, args, kwargs)
+    q, k, v = seq_chunks(ctx, site, call)
+    ctx.note("ring_attention")
+    out, _ = torch.ops.autosp_ring.ring_attention(q, k, v, call.causal, call.scale, call.window, ctx.group_name)
+    sdim, length = site.axis("S"), site.seq_len
+    return SPValue(from_bhsd(site, out), Shard(SeqAxis(sdim, length), ctx.even_ranges(length)), node.meta["val"])
+
+
+__all__ = ["SLIDING_WINDOW", "SUPPORTED", "Call", "check", "parse", "ring_attention_rule", "seq_chunks"]

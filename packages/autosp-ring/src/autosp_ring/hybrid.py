@@ -1,0 +1,123 @@
+"""USP hybrid (``variant="hybrid"``): Ulysses inside groups of ``ulysses_degree`` ranks, ring across them.
+
+SP rank ``p = i * U + u`` (ring index i, ulysses index u) holds sequence chunk p.
+An all-to-all in ulysses group i (ranks ``i*U .. i*U+U-1``) gives each member
+H/U heads over the group's contiguous span ``[i*S/R, (i+1)*S/R)``; the ring op
+then runs over ring group u (ranks ``u, U+u, ...``), whose members hold the same
+heads on consecutive spans, and the inverse all-to-all restores chunk p.
+Subgroups are made once per (SP group, U) by a compile-time pass, on every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from autosp import Pass, Stage
+from autosp.analysis.attention import AttentionSite
+from autosp.context import CompileContext
+from autosp.errors import AutoSPError, ConfigError
+from autosp.sharding import collectives as C
+from autosp.sharding.context import SPContext, SPValue
+from autosp.sharding.placement import SeqAxis, Shard
+
+from autosp_ring.attention import from_bhsd, parse, seq_chunks
+
+
+@dataclass(frozen=True)
+class Groups:
+    ulysses: str  # group name of this rank's ulysses group
+    ring: str  # group name of this rank's ring group
+    degree: int  # ulysses degree U
+
+
+_GROUPS: dict[tuple[str, int], Groups] = {}
+
+
+def ulysses_degree(options: dict, world: int) -> int:
+    u = options.get("ulysses_degree")
+    r = options.get("ring_degree")
+    if u is None and r is None:
+        raise ConfigError(
+            "variant='hybrid' needs variant_options={'ulysses_degree': U} (or 'ring_degree'), "
+            f"with ulysses_degree * ring_degree == sp_size={world}"
+        )
+    if u is None:
+        u = world // r if isinstance(r, int) and r > 0 else 0
+    if not isinstance(u, int) or u < 1 or world % u or (r is not None and u * r != world):
+        raise ConfigError(f"hybrid: ulysses_degree={u}, ring_degree={r} do not multiply to sp_size={world}")
+    return u
+
+
+def _check_heads(site: AttentionSite, u: int) -> None:
+    if site.heads % u:
+        raise AutoSPError(
+            f"attention {site.name} has {site.heads} query heads, not divisible by ulysses_degree={u}; "
+            "hybrid splits heads over each ulysses group: pick a ulysses_degree that divides the head count, "
+            "or variant='ring'"
+        )
+
+
+def make_groups(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
+    """Validate the degrees and create the subgroups, before the rewrite and any collective of the program."""
+    u = ulysses_degree(ctx.options.variant_options, ctx.world)
+    for site in ctx.sites:
+        _check_heads(site, u)
+    key = (ctx.group_name, u)
+    if key not in _GROUPS:
+        ranks = dist.get_process_group_ranks(ctx.group)
+        i, j = divmod(ctx.rank, u)
+        # Only members join each group (local synchronization), so other SP groups may differ.
+        # Every rank creates its ulysses group first, then its ring group: no waiting cycle.
+        ug = dist.new_group(ranks[i * u : (i + 1) * u], use_local_synchronization=True)
+        rg = dist.new_group(ranks[j::u], use_local_synchronization=True)
+        _GROUPS[key] = Groups(ug.group_name, rg.group_name, u)
+    ctx.report.notes.append(f"hybrid: ulysses_degree={u} x ring_degree={ctx.world // u}")
+
+
+GROUPS_PASS = Pass(
+    "ring.hybrid_groups",
+    Stage.GRAPH,
+    make_groups,
+    requires=("autosp.lower",),
+    before=("autosp.shard",),
+    applies=lambda ctx: ctx.sp and ctx.options.variant == "hybrid",
+    doc="hybrid: check degrees and heads, create ulysses and ring subgroups",
+)
+
+
+def _kv_for_heads(x: torch.Tensor, heads: int, g: Groups, rank_u: int) -> torch.Tensor:
+    """k or v ([B, Hkv, S/P, D]) for this rank's H/U query heads over the ulysses span."""
+    kv, u = x.shape[1], g.degree
+    if kv % u == 0:
+        return C.all_to_all(x.contiguous(), 1, 2, g.ulysses)
+    # Fewer kv heads than the group splits: gather the span whole, keep the kv heads my query heads use.
+    sizes = [x.shape[2]] * u
+    full = C.all_gather(x.contiguous(), 2, sizes, g.ulysses, False)
+    per, group = heads // u, heads // kv
+    lo = rank_u * per
+    idx = [(lo + h) // group for h in range(per)]
+    first, last = idx[0], idx[-1]
+    if per % (last - first + 1) == 0 and all(idx[h] - first == h // (per // (last - first + 1)) for h in range(per)):
+        return full.narrow(1, first, last - first + 1)  # a uniform GQA ratio remains: expand per block
+    return full[:, idx]  # uneven: repeat exactly the heads needed
+
+
+def hybrid_attention_rule(ctx: SPContext, node: torch.fx.Node, site: AttentionSite, args: tuple, kwargs: dict) -> SPValue:
+    g = _GROUPS[(ctx.group_name, ulysses_degree(ctx.variant_options, ctx.world))]
+    call = parse(node, site, args, kwargs)
+    q, k, v = seq_chunks(ctx, site, call)
+    rank_u = ctx.rank % g.degree
+    ctx.note("all_to_all")
+    qh = C.all_to_all(q, 1, 2, g.ulysses)
+    kh = _kv_for_heads(k, site.heads, g, rank_u)
+    vh = _kv_for_heads(v, site.heads, g, rank_u)
+    out, _ = torch.ops.autosp_ring.ring_attention(qh, kh, vh, call.causal, call.scale, call.window, g.ring)
+    back = C.all_to_all(out.contiguous(), 2, 1, g.ulysses)
+    sdim, length = site.axis("S"), site.seq_len
+    return SPValue(from_bhsd(site, back), Shard(SeqAxis(sdim, length), ctx.even_ranges(length)), node.meta["val"])
+
+
+__all__ = ["GROUPS_PASS", "Groups", "hybrid_attention_rule", "make_groups", "ulysses_degree"]

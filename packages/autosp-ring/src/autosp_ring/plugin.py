@@ -1,0 +1,90 @@
+"""Registers the ring and hybrid variants, their passes, and the ring op as attention for SAC."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from autosp import AttentionSpec, Pass, SPVariant, Stage, hookimpl
+
+import autosp_ring.op  # noqa: F401 - defines torch.ops.autosp_ring.*
+from autosp_ring.attention import check, ring_attention_rule
+from autosp_ring.hybrid import GROUPS_PASS, hybrid_attention_rule
+
+RING = SPVariant(
+    name="ring",
+    attention_rule=ring_attention_rule,
+    check=check,
+    doc="ring attention: q stays, k/v travel around the SP group; log-sum-exp merge; any head count",
+)
+
+HYBRID = SPVariant(
+    name="hybrid",
+    attention_rule=hybrid_attention_rule,
+    check=check,
+    doc="USP: Ulysses inside groups of ulysses_degree ranks, ring attention across them",
+)
+
+# The ring op as an attention kernel: sequence-aware checkpointing then saves its output and
+# log-sum-exp instead of recomputing a whole ring trip in the backward. It never appears in a
+# user's Dynamo graph, so no site is ever found for it.
+RING_OP_SPEC = AttentionSpec(
+    name="autosp_ring.ring_attention",
+    targets=(torch.ops.autosp_ring.ring_attention.default,),
+    layout="BHSD",
+    causal="is_causal",
+    signature=("q", "k", "v", "is_causal", "scale", "window", "group_name"),
+)
+
+
+def _count_ring_ops(gm: torch.fx.GraphModule, ctx) -> None:
+    # The ring op is not a core collective, so the core does not count it; reports should.
+    op = torch.ops.autosp_ring.ring_attention.default
+    ctx.report.collectives["ring_attention"] += sum(1 for n in gm.graph.nodes if n.target is op)
+
+
+COUNT_PASS = Pass(
+    "ring.count",
+    Stage.GRAPH,
+    _count_ring_ops,
+    requires=("autosp.shard",),
+    applies=lambda ctx: ctx.sp and ctx.options.variant in ("ring", "hybrid"),
+    doc="report ring attention ops per graph",
+)
+
+
+def _ring_passes() -> list[Pass]:
+    passes = [GROUPS_PASS, COUNT_PASS]
+    try:
+        # Exchange k/v before the model's repeat_kv, as Ulysses does: rings then carry Hkv heads.
+        from autosp_ulysses.unrepeat import UNREPEAT_KV
+    except ImportError:
+        return passes
+    passes.append(dataclasses.replace(
+        UNREPEAT_KV,
+        name="ring.unrepeat_kv",
+        applies=lambda ctx: ctx.sp and ctx.options.variant in ("ring", "hybrid"),
+        doc="ring/hybrid: send k/v before the model repeats kv heads",
+    ))
+    return passes
+
+
+@hookimpl
+def autosp_register_variants(register):
+    register(RING)
+    register(HYBRID)
+
+
+@hookimpl
+def autosp_register_passes(register):
+    for p in _ring_passes():
+        register(p)
+
+
+@hookimpl
+def autosp_register_attention(register):
+    register(RING_OP_SPEC)
+
+
+__all__ = ["HYBRID", "RING", "RING_OP_SPEC"]

@@ -1,0 +1,192 @@
+"""Workers for the ring/hybrid tests (module level: spawned ranks import them by name)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import autosp
+from models import Config, GPT2Block, GPT2Like, LlamaBlock, LlamaLike, rope
+
+
+class EncoderBlock(GPT2Block):
+    """GPT2Block without the causal flag: bidirectional attention."""
+
+    def forward(self, x):
+        B, S, D = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(D, dim=2)
+        q, k, v = (t.view(B, S, self.c.heads, D // self.c.heads).transpose(1, 2) for t in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v)
+        x = x + self.proj(a.transpose(1, 2).contiguous().view(B, S, D))
+        return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+
+
+class Encoder(GPT2Like):
+    def __init__(self, c: Config) -> None:
+        super().__init__(c)
+        self.blocks = torch.nn.ModuleList(EncoderBlock(c) for _ in range(c.layers))
+
+
+class WindowBlock(LlamaBlock):
+    """LlamaBlock calling the autosp-window op on un-repeated GQA k/v."""
+
+    def forward(self, x, cos, sin, mask):
+        B, S, _ = x.shape
+        c = self.c
+        hd = c.dim // c.heads
+        h = self.n1(x)
+        q = self.q(h).view(B, S, c.heads, hd).transpose(1, 2)
+        k = self.k(h).view(B, S, c.kv_heads, hd).transpose(1, 2)
+        v = self.v(h).view(B, S, c.kv_heads, hd).transpose(1, 2)
+        q, k = rope(q, cos, sin), rope(k, cos, sin)
+        a = torch.ops.autosp_window.sliding_window_attention(q, k, v, c.window)
+        x = x + self.o(a.transpose(1, 2).reshape(B, S, c.dim))
+        h = self.n2(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class WindowLlama(LlamaLike):
+    def __init__(self, c: Config) -> None:
+        super().__init__(Config(**{**c.__dict__, "window": None}))
+        self.c = c
+        self.blocks = torch.nn.ModuleList(WindowBlock(c) for _ in range(c.layers))
+
+
+def build(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if name == "llama":  # causal, GQA 4:2 (repeat_kv in the model)
+        return LlamaLike(Config(dim=32, hidden=64))
+    if name == "llama-h3":  # 3 heads: divisible by neither 2 nor 4 ranks; MQA
+        return LlamaLike(Config(dim=24, heads=3, kv_heads=1, hidden=48))
+    if name == "llama-mqa":
+        return LlamaLike(Config(dim=32, heads=4, kv_heads=1, hidden=64))
+    if name == "gpt2":
+        return GPT2Like(Config(dim=32, heads=4))
+    if name == "encoder-h6":  # non-causal, 6 heads
+        return Encoder(Config(dim=48, heads=6))
+    if name == "llama-mask":  # sliding window through an attn_mask tensor: ring refuses it
+        return LlamaLike(Config(dim=32, hidden=64, window=9))
+    if name == "window-op":  # the same window through the autosp-window plugin op
+        import autosp_window  # noqa: F401
+
+        return WindowLlama(Config(dim=32, hidden=64, window=9))
+    raise KeyError(name)
+
+
+def batch(seq: int, rows: int = 2) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 96, (rows, seq), generator=gen)
+    labels = ids.clone()
+    labels[0, 3:11] = -100
+    return {"ids": ids, "labels": labels}
+
+
+def call(model: Any, name: str, b: dict[str, torch.Tensor]) -> torch.Tensor:
+    out = model(b["ids"], b["labels"])
+    if isinstance(out, tuple):  # GPT2Like: (loss, logits); fold the sequence output in
+        return out[0] + out[1].float().pow(2).mean() * 1e-3
+    return out
+
+
+def step(model: Any, name: str, b: dict[str, torch.Tensor]) -> dict[str, Any]:
+    loss = call(model, name, b)
+    loss.backward()
+    params = model._orig_mod if hasattr(model, "_orig_mod") else model
+    return {
+        "loss": loss.detach(),
+        "grads": {n: p.grad.detach().clone() for n, p in params.named_parameters() if p.grad is not None},
+    }
+
+
+def reference(name: str, b: dict[str, torch.Tensor]) -> dict[str, Any]:
+    return step(build(name), name, b)
+
+
+def saved_bytes(model: Any, name: str, b: dict[str, torch.Tensor]) -> int:
+    """Bytes autograd saves for backward in one forward of ``model`` (parameters excluded)."""
+    params = {p.data_ptr() for p in model.parameters()}
+    sizes: list[int] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.data_ptr() not in params:
+            sizes.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = call(model, name, b)
+    loss.backward()
+    return sum(sizes)
+
+
+def compile_model(name: str, variant: str, world: int, options: dict | None, sac: Any = "auto") -> Any:
+    torch._dynamo.reset()  # each model compiles once; stay under Dynamo's recompile limit
+    model = build(name)
+    return autosp.compile(
+        model, sp_size=world if world > 1 else None, variant=variant, backend="aot_eager", sac=sac,
+        variant_options=options, fullgraph=True,
+    )
+
+
+def op_case(cfg: tuple, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """Full q, k, v, dout and SDPA's output and gradients for (B, H, Hkv, S, D, causal, window)."""
+    bsz, heads, kv_heads, seq, dim, causal, window = cfg
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(bsz, heads, seq, dim, generator=gen).requires_grad_()
+    k = torch.randn(bsz, kv_heads, seq, dim, generator=gen).requires_grad_()
+    v = torch.randn(bsz, kv_heads, seq, dim, generator=gen).requires_grad_()
+    dout = torch.randn(bsz, heads, seq, dim, generator=gen)
+    if window:
+        pos = torch.arange(seq)
+        mask = (pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] < window)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+    out.backward(dout)
+    return q.detach(), k.detach(), v.detach(), dout, out.detach(), q.grad, k.grad, v.grad
+
+
+def op_errors(rank: int, world: int, cfg: tuple) -> list[float]:
+    """Max abs error of the ring op's out, dq, dk, dv on this rank's chunk against SDPA."""
+    import torch.distributed as dist
+
+    q, k, v, dout, out, dq, dk, dv = op_case(cfg)
+    chunk = q.shape[2] // world
+    part = slice(rank * chunk, (rank + 1) * chunk)
+    ql, kl, vl = (t[:, :, part].clone().requires_grad_() for t in (q, k, v))
+    got, _ = torch.ops.autosp_ring.ring_attention(
+        ql, kl, vl, bool(cfg[5]), q.shape[-1] ** -0.5, cfg[6], dist.group.WORLD.group_name
+    )
+    got.backward(dout[:, :, part])
+    pairs = [(got, out), (ql.grad, dq), (kl.grad, dk), (vl.grad, dv)]
+    return [(a - full[:, :, part]).abs().max().item() for a, full in pairs]
+
+
+def run(rank: int, world: int, jobs: list[tuple], b: dict, memory: list[str], ops: list[tuple] = ()) -> dict[str, Any]:
+    """Each job (name, variant, options): loss, grads and report; ``memory``: saved bytes per model (sac off);
+    ``ops``: op-level configurations checked against SDPA."""
+    from autosp_ring import BLOCK_COUNTS
+
+    results: dict[str, Any] = {"ops": [op_errors(rank, world, cfg) for cfg in ops]}
+    for name, variant, options in jobs:
+        BLOCK_COUNTS.clear()
+        compiled = compile_model(name, variant, world, options)
+        try:
+            out = step(compiled, name, b)
+        except autosp.AutoSPError as e:
+            results[f"{name}/{variant}"] = {"error": f"{type(e).__name__}: {e}"}
+            continue
+        report = compiled.autosp_reports[0]
+        out["collectives"] = dict(report.collectives)
+        out["fallbacks"] = list(report.fallbacks)
+        out["sites"] = len(report.sites)
+        out["blocks"] = dict(BLOCK_COUNTS)
+        out["sac"] = dict(report.sac)
+        out["notes"] = list(report.notes)
+        results[f"{name}/{variant}"] = out
+    for name in memory:
+        compiled = compile_model(name, "ring", world, None, sac=False)
+        step(compiled, name, b)
+        results[f"saved:{name}"] = saved_bytes(compiled, name, b)
+    return results
