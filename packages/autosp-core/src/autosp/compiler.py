@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch._functorch.aot_autograd import aot_module_simplified
 from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 from torch._guards import detect_fake_mode
+from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from autosp.context import CompileContext
 from autosp.hardware import select_profile
@@ -112,13 +113,7 @@ class _Partitioner:
         return default_partition(joint, joint_inputs, **kwargs)
 
 
-def _custom_partitioner_base() -> type:
-    from torch._inductor.custom_graph_pass import CustomPartitionerFn
-
-    return CustomPartitionerFn
-
-
-class InductorPartitioner(_custom_partitioner_base()):
+class InductorPartitioner(CustomPartitionerFn):
     """Inductor's custom-partitioner hook around ``_Partitioner``."""
 
     def __init__(self, partition: _Partitioner) -> None:
