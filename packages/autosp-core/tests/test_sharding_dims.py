@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from autosp.sharding.dims import guess_seq_dim, map_view
-from autosp.sharding.placement import SeqAxis, even_ranges, is_even
+from autosp.sharding.placement import SeqAxis, even_ranges, in_rank_order, is_even, zigzag_ranges
 
 
 def test_flatten_batch_and_sequence_keeps_the_axis_with_an_outer_factor():
@@ -28,11 +28,20 @@ def test_reshape_that_splits_the_sequence_is_refused():
 
 
 def test_even_ranges_cover_the_sequence_without_gaps():
-    assert even_ranges(16, 4) == ((0, 4), (4, 8), (8, 12), (12, 16))
-    uneven = even_ranges(10, 4)
+    assert even_ranges(16, 4) == (((0, 4),), ((4, 8),), ((8, 12),), ((12, 16),))
+    uneven = [pieces[0] for pieces in even_ranges(10, 4)]
     assert uneven[0][0] == 0 and uneven[-1][1] == 10
     assert all(a[1] == b[0] for a, b in zip(uneven, uneven[1:]))
-    assert is_even(even_ranges(16, 4), 16) and not is_even(((0, 3), (3, 16)), 16)
+    assert is_even(even_ranges(16, 4), 16) and not is_even((((0, 3),), ((3, 16),)), 16)
+    assert in_rank_order(even_ranges(16, 4))
+
+
+def test_zigzag_gives_each_rank_a_head_and_a_tail_chunk():
+    layout = zigzag_ranges(16, 2)
+    assert layout == (((0, 4), (12, 16)), ((4, 8), (8, 12)))
+    assert not in_rank_order(layout)
+    covered = sorted(span for pieces in layout for span in pieces)
+    assert covered == [(0, 4), (4, 8), (8, 12), (12, 16)]
 
 
 def test_input_sequence_dim_prefers_the_dim_after_batch():

@@ -156,7 +156,7 @@ def op_errors(rank: int, world: int, cfg: tuple) -> list[float]:
     part = slice(rank * chunk, (rank + 1) * chunk)
     ql, kl, vl = (t[:, :, part].clone().requires_grad_() for t in (q, k, v))
     got, _ = torch.ops.autosp_ring.ring_attention(
-        ql, kl, vl, bool(cfg[5]), q.shape[-1] ** -0.5, cfg[6], dist.group.WORLD.group_name
+        ql, kl, vl, bool(cfg[5]), q.shape[-1] ** -0.5, cfg[6], False, dist.group.WORLD.group_name
     )
     got.backward(dout[:, :, part])
     pairs = [(got, out), (ql.grad, dq), (kl.grad, dk), (vl.grad, dv)]

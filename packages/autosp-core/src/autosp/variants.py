@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from autosp.analysis.attention import AttentionSite
     from autosp.sharding.context import AttentionRule
+    from autosp.sharding.placement import IntLike, Layout
 
 
 @dataclass(frozen=True)
@@ -20,12 +21,15 @@ class SPVariant:
         attention_rule: rewrites one attention site on this rank (see ``autosp.sharding``).
         check: raises ``AutoSPError`` for sites the variant cannot handle exactly, with
             what to do instead; runs at compile time, before any collective.
+        layout: how to split the sequence where sharding starts, from (length, world,
+            variant options); ``None`` (or a ``None`` result) keeps contiguous even intervals.
         doc: one line for reports.
     """
 
     name: str
     attention_rule: AttentionRule
     check: Callable[[AttentionSite, int], None] = lambda site, world: None
+    layout: Callable[[IntLike, int, dict[str, Any]], Layout | None] | None = None
     doc: str = ""
 
 

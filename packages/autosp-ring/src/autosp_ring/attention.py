@@ -17,7 +17,7 @@ from autosp.analysis.attention import AttentionSite
 from autosp.errors import AutoSPError
 from autosp.lowering import SDPA, sdpa_args
 from autosp.sharding.context import SPContext, SPValue
-from autosp.sharding.placement import Replicate, SeqAxis, Shard
+from autosp.sharding.placement import Layout, Replicate, SeqAxis, Shard, zigzag_ranges
 from autosp.sharding.redistribute import to_shard
 
 from autosp_ring.blocks import default_scale
@@ -90,10 +90,17 @@ def from_bhsd(site: AttentionSite, x: torch.Tensor) -> torch.Tensor:
     return x.permute(order)
 
 
+def ring_layout(length: Any, world: int, options: dict[str, Any]) -> Layout | None:
+    """Zigzag (rank r: chunks r and 2P-1-r) balances causal work; contiguous when it cannot split evenly."""
+    if not options.get("zigzag", True) or not isinstance(length, int) or length % (2 * world):
+        return None
+    return zigzag_ranges(length, world)
+
+
 def seq_chunks(ctx: SPContext, site: AttentionSite, call: Call) -> tuple[torch.Tensor, ...]:
-    """q, k, v as this rank's contiguous even chunk, in BHSD."""
+    """q, k, v as this rank's pieces of the sequence (the variant's layout), in BHSD."""
     sdim, length = site.axis("S"), site.seq_len
-    target = Shard(SeqAxis(sdim, length), ctx.even_ranges(length))
+    target = Shard(SeqAxis(sdim, length), ctx.layout(length))
     out = []
     for x in (call.q, call.k, call.v):
         if not isinstance(x, SPValue):
@@ -111,9 +118,15 @@ def ring_attention_rule(ctx: SPContext, node: torch.fx.Node, site: AttentionSite
     call = parse(node, site, args, kwargs)
     q, k, v = seq_chunks(ctx, site, call)
     ctx.note("ring_attention")
-    out, _ = torch.ops.autosp_ring.ring_attention(q, k, v, call.causal, call.scale, call.window, ctx.group_name)
     sdim, length = site.axis("S"), site.seq_len
-    return SPValue(from_bhsd(site, out), Shard(SeqAxis(sdim, length), ctx.even_ranges(length)), node.meta["val"])
+    layout = ctx.layout(length)
+    zigzag = layout != ctx.even_ranges(length)
+    out, _ = torch.ops.autosp_ring.ring_attention(
+        q, k, v, call.causal, call.scale, call.window, zigzag, ctx.group_name
+    )
+    return SPValue(from_bhsd(site, out), Shard(SeqAxis(sdim, length), layout), node.meta["val"])
 
 
-__all__ = ["SLIDING_WINDOW", "SUPPORTED", "Call", "check", "parse", "ring_attention_rule", "seq_chunks"]
+__all__ = [
+    "SLIDING_WINDOW", "SUPPORTED", "Call", "check", "parse", "ring_attention_rule", "ring_layout", "seq_chunks",
+]

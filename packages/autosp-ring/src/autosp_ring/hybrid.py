@@ -114,7 +114,7 @@ def hybrid_attention_rule(ctx: SPContext, node: torch.fx.Node, site: AttentionSi
     qh = C.all_to_all(q, 1, 2, g.ulysses)
     kh = _kv_for_heads(k, site.heads, g, rank_u)
     vh = _kv_for_heads(v, site.heads, g, rank_u)
-    out, _ = torch.ops.autosp_ring.ring_attention(qh, kh, vh, call.causal, call.scale, call.window, g.ring)
+    out, _ = torch.ops.autosp_ring.ring_attention(qh, kh, vh, call.causal, call.scale, call.window, False, g.ring)
     back = C.all_to_all(out.contiguous(), 2, 1, g.ulysses)
     sdim, length = site.axis("S"), site.seq_len
     return SPValue(from_bhsd(site, back), Shard(SeqAxis(sdim, length), ctx.even_ranges(length)), node.meta["val"])

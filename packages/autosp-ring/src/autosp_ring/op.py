@@ -77,11 +77,24 @@ def _unpack(buf: Tensor, like: tuple[Tensor, ...]) -> list[Tensor]:
     return out
 
 
+def segments(rank: int, chunk: int, world: int, zigzag: bool) -> list[tuple[int, int, int]]:
+    """(global offset, length, local offset) of each contiguous piece a rank holds."""
+    if not zigzag:
+        return [(rank * chunk, chunk, 0)]
+    half = chunk // 2
+    return [(rank * half, half, 0), ((2 * world - 1 - rank) * half, half, half)]
+
+
+def _steps(world: int, chunk: int, window: int, zigzag: bool) -> int:
+    # The window shortcut assumes contiguous chunks; zigzag pieces sit at both ends.
+    return world if zigzag else num_steps(world, chunk, window)
+
+
 @torch.library.custom_op("autosp_ring::ring_attention", mutates_args=())
 def ring_attention(
-    q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float, window: int, group_name: str
+    q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float, window: int, zigzag: bool, group_name: str
 ) -> tuple[Tensor, Tensor]:
-    """Attention of this rank's query chunk over the whole sequence: (out [B,H,L,Dv], fp32 lse [B,H,L])."""
+    """Attention of this rank's query pieces over the whole sequence: (out [B,H,L,Dv], fp32 lse [B,H,L])."""
     ring = _Ring(group_name)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     chunk, c, world = q.shape[2], ring.rank, ring.world
@@ -89,24 +102,28 @@ def ring_attention(
     out = q.new_zeros((b, h, chunk, v.shape[-1]), dtype=torch.float32)
     lse = q.new_full((b, h, chunk), float("-inf"), dtype=torch.float32)
     buf = _pack(k, v)
-    steps = num_steps(world, chunk, window)
+    steps = _steps(world, chunk, window, zigzag)
     for s in range(steps):
         pending = ring.start(buf, 1, _KV_TAG) if s < steps - 1 else None
         j = (c - s) % world
-        if block_needed(c * chunk, chunk, j * chunk, chunk, is_causal, window):
-            kj, vj = _unpack(buf, (k, v))
-            mask = block_mask(c * chunk, chunk, j * chunk, chunk, is_causal, window, q.device)
-            out, lse = merge(out, lse, *block_forward(q, kj, vj, scale, mask))
-            BLOCK_COUNTS["forward", "computed"] += 1
-        else:
-            BLOCK_COUNTS["forward", "skipped"] += 1
+        kj, vj = _unpack(buf, (k, v))
+        for qo, ql, qs in segments(c, chunk, world, zigzag):
+            for ko, kl, ks in segments(j, chunk, world, zigzag):
+                if not block_needed(qo, ql, ko, kl, is_causal, window):
+                    BLOCK_COUNTS["forward", "skipped"] += 1
+                    continue
+                mask = block_mask(qo, ql, ko, kl, is_causal, window, q.device)
+                rows = slice(qs, qs + ql)
+                o, l = block_forward(q[:, :, rows], kj[:, :, ks:ks + kl], vj[:, :, ks:ks + kl], scale, mask)
+                out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], o, l)
+                BLOCK_COUNTS["forward", "computed"] += 1
         if pending is not None:
             buf = ring.finish(pending)
     return out.to(q.dtype), lse
 
 
 @ring_attention.register_fake
-def _(q, k, v, is_causal, scale, window, group_name):
+def _(q, k, v, is_causal, scale, window, zigzag, group_name):
     b, h, chunk = q.shape[0], q.shape[1], q.shape[2]
     return q.new_empty((b, h, chunk, v.shape[-1])), q.new_empty((b, h, chunk), dtype=torch.float32)
 
@@ -114,9 +131,9 @@ def _(q, k, v, is_causal, scale, window, group_name):
 @torch.library.custom_op("autosp_ring::ring_attention_backward", mutates_args=())
 def ring_attention_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-    is_causal: bool, scale: float, window: int, group_name: str,
+    is_causal: bool, scale: float, window: int, zigzag: bool, group_name: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) of this rank's chunks; dk/dv sum the contributions of every rank's queries."""
+    """(dq, dk, dv) of this rank's pieces; dk/dv sum the contributions of every rank's queries."""
     ring = _Ring(group_name)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     chunk, c, world = q.shape[2], ring.rank, ring.world
@@ -125,19 +142,27 @@ def ring_attention_backward(
     dq = torch.zeros_like(q, dtype=torch.float32)
     buf = _pack(k, v)
     grads = torch.zeros(buf.numel(), dtype=torch.float32, device=q.device)
-    steps = num_steps(world, chunk, window)
+    steps = _steps(world, chunk, window, zigzag)
     for s in range(steps):
         pending_kv = ring.start(buf, 1, _KV_TAG) if s < steps - 1 else None
         j = (c - s) % world
-        if block_needed(c * chunk, chunk, j * chunk, chunk, is_causal, window):
-            kj, vj = _unpack(buf, (k, v))
-            mask = block_mask(c * chunk, chunk, j * chunk, chunk, is_causal, window, q.device)
-            dq_b, dk_b, dv_b = block_backward(q, kj, vj, dout32, lse, delta, scale, mask)
-            dq += dq_b
-            grads += _pack(dk_b, dv_b)
-            BLOCK_COUNTS["backward", "computed"] += 1
-        else:
-            BLOCK_COUNTS["backward", "skipped"] += 1
+        kj, vj = _unpack(buf, (k, v))
+        dk_acc, dv_acc = _unpack(grads, (k, v))
+        for qo, ql, qs in segments(c, chunk, world, zigzag):
+            for ko, kl, ks in segments(j, chunk, world, zigzag):
+                if not block_needed(qo, ql, ko, kl, is_causal, window):
+                    BLOCK_COUNTS["backward", "skipped"] += 1
+                    continue
+                mask = block_mask(qo, ql, ko, kl, is_causal, window, q.device)
+                rows, cols = slice(qs, qs + ql), slice(ks, ks + kl)
+                dq_b, dk_b, dv_b = block_backward(
+                    q[:, :, rows], kj[:, :, cols], vj[:, :, cols], dout32[:, :, rows], lse[:, :, rows],
+                    delta[:, :, rows], scale, mask,
+                )
+                dq[:, :, rows] += dq_b
+                dk_acc[:, :, cols] += dk_b
+                dv_acc[:, :, cols] += dv_b
+                BLOCK_COUNTS["backward", "computed"] += 1
         if pending_kv is not None:
             # The accumulator of chunk j follows chunk j around the ring.
             grads = ring.finish(ring.start(grads, 1, _GRAD_TAG))
@@ -152,12 +177,12 @@ def ring_attention_backward(
 
 
 @ring_attention_backward.register_fake
-def _(dout, q, k, v, out, lse, is_causal, scale, window, group_name):
+def _(dout, q, k, v, out, lse, is_causal, scale, window, zigzag, group_name):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup(ctx: Any, inputs: tuple, output: tuple) -> None:
-    q, k, v, ctx.is_causal, ctx.scale, ctx.window, ctx.group_name = inputs
+    q, k, v, ctx.is_causal, ctx.scale, ctx.window, ctx.zigzag, ctx.group_name = inputs
     ctx.save_for_backward(q, k, v, *output)
 
 
@@ -165,11 +190,11 @@ def _backward(ctx: Any, dout: Tensor, dlse: Tensor | None):
     # lse is an auxiliary output for merging; AutoSP never differentiates through it.
     q, k, v, out, lse = ctx.saved_tensors
     dq, dk, dv = torch.ops.autosp_ring.ring_attention_backward(
-        dout.contiguous(), q, k, v, out, lse, ctx.is_causal, ctx.scale, ctx.window, ctx.group_name
+        dout.contiguous(), q, k, v, out, lse, ctx.is_causal, ctx.scale, ctx.window, ctx.zigzag, ctx.group_name
     )
-    return dq, dk, dv, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None
 
 
 ring_attention.register_autograd(_backward, setup_context=_setup)
 
-__all__ = ["BLOCK_COUNTS", "num_steps", "ring_attention", "ring_attention_backward"]
+__all__ = ["BLOCK_COUNTS", "num_steps", "ring_attention", "ring_attention_backward", "segments"]

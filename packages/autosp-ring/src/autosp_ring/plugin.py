@@ -9,14 +9,15 @@ import torch
 from autosp import AttentionSpec, Pass, SPVariant, Stage, hookimpl
 
 import autosp_ring.op  # noqa: F401 - defines torch.ops.autosp_ring.*
-from autosp_ring.attention import check, ring_attention_rule
+from autosp_ring.attention import check, ring_attention_rule, ring_layout
 from autosp_ring.hybrid import GROUPS_PASS, hybrid_attention_rule
 
 RING = SPVariant(
     name="ring",
     attention_rule=ring_attention_rule,
     check=check,
-    doc="ring attention: q stays, k/v travel around the SP group; log-sum-exp merge; any head count",
+    layout=ring_layout,
+    doc="ring attention: q stays, k/v travel around the SP group; log-sum-exp merge; any head count; zigzag layout",
 )
 
 HYBRID = SPVariant(

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autosp_ring.blocks import allowed_pairs
-from autosp_ring.op import num_steps
+from autosp_ring.op import num_steps, segments
 
 
 @dataclass(frozen=True)
@@ -17,13 +17,21 @@ class RankWork:
     pairs: int  # unmasked score entries
 
 
-def ring_work(seq: int, world: int, causal: bool, window: int = 0) -> list[RankWork]:
-    """Work per rank for the contiguous layout (rank r holds chunk r); the max/mean ratio is the imbalance."""
+def ring_work(seq: int, world: int, causal: bool, window: int = 0, zigzag: bool = False) -> list[RankWork]:
+    """Work per rank, contiguous (rank r holds chunk r) or zigzag (chunks r and 2P-1-r of 2P).
+
+    A block is one (query piece, key piece) pair; the max/mean ratio of pairs is the imbalance.
+    """
     chunk = seq // world
-    steps = num_steps(world, chunk, window)
+    steps = world if zigzag else num_steps(world, chunk, window)
     result = []
     for c in range(world):
-        pairs = [allowed_pairs(c * chunk, chunk, ((c - s) % world) * chunk, chunk, causal, window) for s in range(steps)]
+        pairs = [
+            allowed_pairs(qo, ql, ko, kl, causal, window)
+            for s in range(steps)
+            for qo, ql, _ in segments(c, chunk, world, zigzag)
+            for ko, kl, _ in segments((c - s) % world, chunk, world, zigzag)
+        ]
         result.append(RankWork(sum(p > 0 for p in pairs), sum(p == 0 for p in pairs), sum(pairs)))
     return result
 

@@ -49,7 +49,7 @@ def find_attention(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
     # With a symbolic length these comparisons become guards: a length that breaks them recompiles.
     if any(n != seq for n in lengths):
         raise AutoSPError(
-            f"attention sites disagree on the sequence length ({sorted(map(str, set(map(str, lengths))))}); "
+            f"attention sites disagree on the sequence length ({sorted({str(n) for n in lengths})}); "
             "AutoSP shards self-attention over one sequence; cross-attention with another length is not supported"
         )
     if seq % ctx.world:
@@ -84,6 +84,7 @@ def shard(gm: torch.fx.GraphModule, ctx: CompileContext) -> torch.fx.GraphModule
         attention_rule=ctx.variant.attention_rule,
         sites={s.name: s for s in ctx.sites},
         variant_options=dict(ctx.options.variant_options),
+        layout_fn=ctx.variant.layout,
     )
     try:
         out = shard_graph(gm, sp, ctx.fake_inputs, ctx.is_param, ctx.fake_mode)

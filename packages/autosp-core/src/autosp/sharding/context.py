@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from autosp.sharding.placement import IntLike, Placement, Ranges, even_ranges
+from autosp.sharding.placement import IntLike, Layout, Placement, even_ranges
 
 if TYPE_CHECKING:
     from autosp.analysis.attention import AttentionSite
@@ -41,6 +41,7 @@ class SPContext:
         seq_len: global sequence length found at the attention sites.
         attention_rule: how the selected SP variant rewrites one attention site.
         sites: attention sites by the name of their node in the lowered graph.
+        layout_fn: the variant's choice of sequence layout (``None``: contiguous, even).
     """
 
     rank: int
@@ -52,9 +53,15 @@ class SPContext:
     counts: Counter = field(default_factory=Counter)
     fallbacks: list[str] = field(default_factory=list)
     variant_options: dict[str, Any] = field(default_factory=dict)
+    layout_fn: Callable[[IntLike, int, dict[str, Any]], Layout | None] | None = None
 
-    def even_ranges(self, length: IntLike) -> Ranges:
+    def even_ranges(self, length: IntLike) -> Layout:
         return even_ranges(length, self.world)
+
+    def layout(self, length: IntLike) -> Layout:
+        """How the variant wants a sequence of ``length`` split where sharding starts."""
+        chosen = self.layout_fn(length, self.world, self.variant_options) if self.layout_fn else None
+        return chosen if chosen is not None else self.even_ranges(length)
 
     def note(self, what: str) -> None:
         self.counts[what] += 1

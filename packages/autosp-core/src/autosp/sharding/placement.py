@@ -48,16 +48,36 @@ class SeqAxis:
         return dim_size // (self.length * self.inner)
 
 
-Ranges = tuple[tuple[IntLike, IntLike], ...]
+Interval = tuple[IntLike, IntLike]
+Ranges = tuple[Interval, ...]  # one interval per rank (heads of a HeadShard)
+Layout = tuple[tuple[Interval, ...], ...]  # per rank, the intervals of the sequence it holds, in order
 
 
-def even_ranges(length: IntLike, world: int) -> Ranges:
-    """Balanced intervals; equal when ``world`` divides ``length``."""
-    return tuple((r * length // world, (r + 1) * length // world) for r in range(world))
+def even_ranges(length: IntLike, world: int) -> Layout:
+    """Balanced contiguous intervals; equal when ``world`` divides ``length``."""
+    return tuple(((r * length // world, (r + 1) * length // world),) for r in range(world))
 
 
-def is_even(ranges: Ranges, length: IntLike) -> bool:
+def zigzag_ranges(length: IntLike, world: int) -> Layout:
+    """Rank r holds chunks r and 2P-1-r of 2P: under a causal mask every rank does the same work."""
+    chunk = length // (2 * world)
+    return tuple(((r * chunk, (r + 1) * chunk), ((2 * world - 1 - r) * chunk, (2 * world - r) * chunk))
+                 for r in range(world))
+
+
+def is_even(ranges: Layout, length: IntLike) -> bool:
     return ranges == even_ranges(length, len(ranges))
+
+
+def in_rank_order(ranges: Layout) -> bool:
+    """Whether concatenating the ranks' pieces in rank order gives the sequence in order."""
+    at = 0
+    for pieces in ranges:
+        for lo, hi in pieces:
+            if lo != at:
+                return False
+            at = hi
+    return True
 
 
 @dataclass(frozen=True)
@@ -71,11 +91,10 @@ class Replicate:
 @dataclass(frozen=True)
 class Shard:
     axis: SeqAxis
-    ranges: Ranges
+    ranges: Layout
 
     def local_length(self, rank: int) -> IntLike:
-        lo, hi = self.ranges[rank]
-        return hi - lo
+        return sum(hi - lo for lo, hi in self.ranges[rank])
 
     def same_layout(self, other: Shard) -> bool:
         return (
@@ -108,6 +127,8 @@ Placement = Union[Replicate, Shard, HeadShard, Partial]
 __all__ = [
     "HeadShard",
     "IntLike",
+    "Interval",
+    "Layout",
     "Partial",
     "Placement",
     "Ranges",
@@ -115,5 +136,7 @@ __all__ = [
     "SeqAxis",
     "Shard",
     "even_ranges",
+    "in_rank_order",
     "is_even",
+    "zigzag_ranges",
 ]

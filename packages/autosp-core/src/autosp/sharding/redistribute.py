@@ -6,7 +6,7 @@ import torch
 
 from autosp.sharding import collectives as C
 from autosp.sharding.context import SPContext, SPValue
-from autosp.sharding.placement import HeadShard, IntLike, Partial, Ranges, Replicate, SeqAxis, Shard
+from autosp.sharding.placement import HeadShard, IntLike, Layout, Partial, Replicate, SeqAxis, Shard, in_rank_order
 
 
 def _split_axis(
@@ -26,11 +26,11 @@ def _merge_axis(x: torch.Tensor, dim: int, folded: bool) -> torch.Tensor:
     return x.reshape(shape)
 
 
-def slice_to(ctx: SPContext, full: torch.Tensor, dim: int, axis: SeqAxis, ranges: Ranges) -> torch.Tensor:
-    """This rank's interval of a replicated tensor whose ``dim`` carries ``axis``."""
-    lo, hi = ranges[ctx.rank]
+def slice_to(ctx: SPContext, full: torch.Tensor, dim: int, axis: SeqAxis, ranges: Layout) -> torch.Tensor:
+    """This rank's intervals of a replicated tensor whose ``dim`` carries ``axis``."""
     view, sdim = _split_axis(full, dim, axis.outer(full.shape[dim]), axis.length, axis.inner)
-    part = view.narrow(sdim, lo, hi - lo)
+    pieces = [view.narrow(sdim, lo, hi - lo) for lo, hi in ranges[ctx.rank]]
+    part = pieces[0] if len(pieces) == 1 else torch.cat(pieces, sdim)
     if sdim != dim:
         return _merge_axis(part, sdim, True)
     return part
@@ -53,9 +53,18 @@ def gather(ctx: SPContext, v: SPValue, *, for_output: bool = False) -> torch.Ten
     outer = p.axis.outer(v.gval.shape[p.axis.dim])
     view, sdim = _split_axis(v.local, p.axis.dim, outer, p.local_length(ctx.rank), p.axis.inner)
     folded = sdim != p.axis.dim
-    sizes = [hi - lo for lo, hi in p.ranges]
+    sizes = [p.local_length(r) for r in range(len(p.ranges))]
     full = C.all_gather(view.contiguous(), sdim, sizes, ctx.group_name, for_output)
+    if not in_rank_order(p.ranges):
+        full = _reorder(full, sdim, p.ranges)
     return _merge_axis(full, sdim, folded)
+
+
+def _reorder(gathered: torch.Tensor, dim: int, ranges: Layout) -> torch.Tensor:
+    """Pieces gathered in rank order, put back in sequence order."""
+    spans = [span for pieces in ranges for span in pieces]
+    parts = gathered.split([hi - lo for lo, hi in spans], dim)
+    return torch.cat([part for _, part in sorted(zip(spans, parts), key=lambda sp: sp[0][0])], dim)
 
 
 def to_replicate(ctx: SPContext, v: SPValue, why: str = "") -> SPValue:

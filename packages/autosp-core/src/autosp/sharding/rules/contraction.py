@@ -89,7 +89,7 @@ def _trigger(ctx: SPContext, v: SPValue, labels: list[str] | None = None) -> SPV
         return v
     if labels is not None and labels[p.axis.dim] == "k":
         return v
-    ranges = ctx.even_ranges(p.axis.length)
+    ranges = ctx.layout(p.axis.length)
     ctx.note("shard_start")
     target = Shard(p.axis, ranges)
     return SPValue(slice_to(ctx, v.local, p.axis.dim, p.axis, ranges), target, v.gval)

@@ -122,13 +122,17 @@ def slice_rule(ctx, node, args, kwargs):
     new_axis = SeqAxis(dim, end - start)
     if isinstance(p, Replicate):
         return replicated(ctx, node, args, kwargs, new_axis)
-    lo, hi = p.ranges[ctx.rank]
-    a = min(max(start - lo, 0), hi - lo)
-    b = min(max(end - lo, 0), hi - lo)
     ranges = tuple(
-        (min(max(l, start), end) - start, min(max(h, start), end) - start) for l, h in p.ranges  # noqa: E741
+        tuple((min(max(lo, start), end) - start, min(max(hi, start), end) - start) for lo, hi in pieces)
+        for pieces in p.ranges
     )
-    return SPValue(v.local.narrow(dim, a, b - a), Shard(new_axis, ranges), node.meta["val"])
+    parts, offset = [], 0
+    for lo, hi in p.ranges[ctx.rank]:
+        a, b = min(max(start, lo), hi), min(max(end, lo), hi)
+        parts.append(v.local.narrow(dim, offset + a - lo, b - a))
+        offset += hi - lo
+    local = parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+    return SPValue(local, Shard(new_axis, ranges), node.meta["val"])
 
 
 def _clamp_range(start: Any, end: Any, size: int) -> tuple[int, int]:
@@ -166,10 +170,12 @@ def select_rule(ctx, node, args, kwargs):
         return fallback(ctx, node, args, kwargs)
     # Only the owner of the position holds it: a partial sum with zeros elsewhere avoids a gather.
     index = index + v.gval.shape[dim] if index < 0 else index
-    lo, hi = p.ranges[ctx.rank]
-    if lo <= index < hi:
-        out = v.local.select(dim, index - lo)
-    else:
+    offset, out = 0, None
+    for lo, hi in p.ranges[ctx.rank]:
+        if lo <= index < hi:
+            out = v.local.select(dim, offset + index - lo)
+        offset += hi - lo
+    if out is None:
         # Zeros that still depend on the input: every rank must need the same backward collectives.
         out = v.local.sum(dim) * 0
     return SPValue(out, Partial(), node.meta["val"])
