@@ -68,11 +68,11 @@ def test_before_alone_moves_a_pass_earlier():
 
 
 def test_core_and_ulysses_passes_order():
-    from autosp_ulysses.unrepeat import UNREPEAT_KV
+    from autosp.passes.unrepeat import UNREPEAT_KV
 
     order = names(order_passes([*PASSES, UNREPEAT_KV]))
-    assert order.index("autosp.find_attention") < order.index("autosp.lower") < order.index("ulysses.unrepeat_kv")
-    assert order.index("ulysses.unrepeat_kv") < order.index("autosp.shard")
+    assert order.index("autosp.find_attention") < order.index("autosp.lower") < order.index("autosp.unrepeat_kv")
+    assert order.index("autosp.unrepeat_kv") < order.index("autosp.shard")
 
 
 def test_cycle_is_named():
@@ -126,7 +126,7 @@ def test_disable_unknown_name_errors(monkeypatch):
 
 
 def test_disabling_a_required_pass_errors():
-    with pytest.raises(ConfigError, match="'autosp.shard' requires pass 'autosp.lower'.*disabled"):
+    with pytest.raises(ConfigError, match="'autosp.(shard|unrepeat_kv)' requires pass 'autosp.lower'.*disabled"):
         PassManager(list(PASSES), disabled=["autosp.lower"])
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from autosp import AttentionSpec, Pass, SPVariant, Stage, hookimpl
@@ -55,22 +53,6 @@ COUNT_PASS = Pass(
 )
 
 
-def _ring_passes() -> list[Pass]:
-    passes = [GROUPS_PASS, COUNT_PASS]
-    try:
-        # Exchange k/v before the model's repeat_kv, as Ulysses does: rings then carry Hkv heads.
-        from autosp_ulysses.unrepeat import UNREPEAT_KV
-    except ImportError:
-        return passes
-    passes.append(dataclasses.replace(
-        UNREPEAT_KV,
-        name="ring.unrepeat_kv",
-        applies=lambda ctx: ctx.sp and ctx.options.variant in ("ring", "hybrid"),
-        doc="ring/hybrid: send k/v before the model repeats kv heads",
-    ))
-    return passes
-
-
 @hookimpl
 def autosp_register_variants(register):
     register(RING)
@@ -79,8 +61,8 @@ def autosp_register_variants(register):
 
 @hookimpl
 def autosp_register_passes(register):
-    for p in _ring_passes():
-        register(p)
+    register(GROUPS_PASS)
+    register(COUNT_PASS)
 
 
 @hookimpl

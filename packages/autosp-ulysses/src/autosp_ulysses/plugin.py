@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from autosp import SPVariant, hookimpl
 from autosp_ulysses.attention import check, ulysses_attention
-from autosp_ulysses.unrepeat import UNREPEAT_KV
 
 ULYSSES = SPVariant(
     name="ulysses",
@@ -18,7 +17,3 @@ ULYSSES = SPVariant(
 def autosp_register_variants(register):
     register(ULYSSES)
 
-
-@hookimpl
-def autosp_register_passes(register):
-    register(UNREPEAT_KV)

@@ -9,6 +9,7 @@ from autosp.context import CompileContext
 from autosp.errors import AutoSPError
 from autosp.lowering import SDPA, insert_leaves, lower_to_aten
 from autosp.passes.manager import Pass, Stage
+from autosp.passes.unrepeat import UNREPEAT_KV
 from autosp.sharding import collectives as C
 from autosp.sharding.context import SPContext
 from autosp.sharding.dims import guess_seq_dim
@@ -139,6 +140,7 @@ PASSES = (
     Pass("autosp.find_attention", Stage.GRAPH, find_attention, doc="find attention sites and their axes"),
     Pass("autosp.lower", Stage.GRAPH, lower, requires=("autosp.find_attention",), applies=_sp,
          doc="lower to functional aten, attention kept whole"),
+    UNREPEAT_KV,
     Pass("autosp.shard", Stage.GRAPH, shard, requires=("autosp.lower",), applies=_sp,
          doc="propagate placements; insert collectives and slices"),
     Pass("autosp.sync_grads", Stage.JOINT, sync_grads, applies=_sp, doc="all-reduce input gradients"),

@@ -1,4 +1,4 @@
-"""The ``ulysses.unrepeat_kv`` pass on lowered graphs: k/v exchanged before the model repeats them."""
+"""The ``autosp.unrepeat_kv`` pass on lowered graphs: k/v exchanged before the model repeats them."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from autosp.compiler import make_context  # noqa: E402
 from autosp.lowering import SDPA  # noqa: E402
 from autosp.passes.core import lower  # noqa: E402
 from autosp.registry import get_registry  # noqa: E402
-from autosp_ulysses.unrepeat import UNREPEAT_KV, find_repeat_base, unrepeat_kv  # noqa: E402
+from autosp.passes.unrepeat import UNREPEAT_KV, find_repeat_base, unrepeat_kv  # noqa: E402
 
 
 def _lower_and_unrepeat(model, *inputs):
@@ -57,7 +57,7 @@ def test_llama_repeat_kv_is_undone():
     assert r["kv_before"] == [(2, 4, 8, 16)] * 2 and r["heads_before"] == [4, 4]
     assert r["kv_after"] == [(2, 2, 8, 16)] * 2 and r["heads_after"] == [2, 2]
     assert r["gqa"] == [True, True]
-    assert r["notes"] == ["ulysses.unrepeat_kv: 2 attention site(s) exchange k/v before repeat"]
+    assert r["notes"] == ["autosp.unrepeat_kv: 2 attention site(s) exchange k/v before repeat"]
     assert_close(r["got"], r["expected"])  # same attention, computed with enable_gqa
 
 
@@ -76,9 +76,9 @@ def test_find_repeat_base_rejects_non_nodes():
 
 
 @pytest.mark.parametrize(
-    ("sp", "variant", "applies"), [(True, "ulysses", True), (False, "ulysses", False), (True, "ring", False)]
+    ("sp", "variant", "applies"), [(True, "ulysses", True), (False, "ulysses", False), (True, "ring", True)]
 )
-def test_applies_only_to_ulysses_sp(sp, variant, applies):
+def test_applies_to_every_variant_under_sp(sp, variant, applies):
     ctx = SimpleNamespace(sp=sp, options=SimpleNamespace(variant=variant))
     assert UNREPEAT_KV.applies(ctx) is applies
     assert UNREPEAT_KV.requires == ("autosp.lower",) and UNREPEAT_KV.before == ("autosp.shard",)

@@ -4,16 +4,17 @@ Llama-style code repeats kv heads (``repeat_kv``: unsqueeze, expand, reshape)
 before SDPA.  All-to-all after that moves H/Hkv times the bytes it needs to.
 This pass finds the repeat feeding an attention site and hands SDPA the
 un-repeated tensor with ``enable_gqa=True``, which computes the same thing;
-the Ulysses rule then exchanges Hkv heads only.
+every variant then moves Hkv heads only (Ulysses' all-to-alls, ring's blocks).
 """
 
 from __future__ import annotations
 
 import torch
 
-from autosp import Pass, Stage
+from autosp.analysis.attention import find_attention_sites
 from autosp.context import CompileContext
 from autosp.lowering import SDPA
+from autosp.passes.manager import Pass, Stage
 
 aten = torch.ops.aten
 _RESHAPES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.clone.default}
@@ -70,21 +71,19 @@ def unrepeat_kv(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
     if changed:
         gm.graph.eliminate_dead_code()
         gm.recompile()
-        ctx.report.notes.append(f"ulysses.unrepeat_kv: {changed} attention site(s) exchange k/v before repeat")
+        ctx.report.notes.append(f"autosp.unrepeat_kv: {changed} attention site(s) exchange k/v before repeat")
         # Sites are keyed by node name and read kv heads from the graph; refresh them.
-        from autosp.analysis.attention import find_attention_sites
-
         specs = [SDPA, *ctx.registry.attention.values()]
         ctx.sites = find_attention_sites(gm, specs)
 
 
 UNREPEAT_KV = Pass(
-    "ulysses.unrepeat_kv",
+    "autosp.unrepeat_kv",
     Stage.GRAPH,
     unrepeat_kv,
     requires=("autosp.lower",),
     before=("autosp.shard",),
-    applies=lambda ctx: ctx.sp and ctx.options.variant == "ulysses",
+    applies=lambda ctx: ctx.sp,
     doc="exchange k/v before the model repeats kv heads",
 )
 
