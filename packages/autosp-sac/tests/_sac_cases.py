@@ -45,7 +45,24 @@ def run(rank: int, world: int, seq: int, sacs: list, dropout: bool) -> dict:
 
 
 def saved_bytes(seq: int, sac, backend: str = "aot_eager") -> tuple[int, dict]:
-    """Bytes saved for backward by one compiled forward (parameters excluded), one process."""
+    """Bytes saved for backward by one compiled forward (parameters excluded), one process.
+
+    Inductor's on-disk caches are off here: a hit would skip the passes, and with them the report.
+    """
+    import contextlib
+
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    caches_off = contextlib.ExitStack()
+    if backend == "inductor":
+        caches_off.enter_context(inductor_config.patch(fx_graph_cache=False))
+        caches_off.enter_context(functorch_config.patch(enable_autograd_cache=False))
+    with caches_off:
+        return _saved_bytes(seq, sac, backend)
+
+
+def _saved_bytes(seq: int, sac, backend: str) -> tuple[int, dict]:
     torch._dynamo.reset()
     model = build(False)
     compiled = autosp.compile(model, sac=sac, backend=backend)

@@ -1,4 +1,4 @@
-"""autosp-train on tiny sizes: SP matches one process, resume matches no interruption, bad flags fail early."""
+"""autosp-train end to end: 20-step loss curves on 2 and 4 processes match one process; resume matches; bad flags fail early."""
 
 from __future__ import annotations
 
