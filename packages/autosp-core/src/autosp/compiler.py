@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import itertools
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -85,23 +87,34 @@ def make_context(
     return ctx
 
 
+def _package_dir(fn: Callable[..., Any]) -> Path:
+    """Directory of the top-level package that defines ``fn``."""
+    top = sys.modules[fn.__module__.split(".")[0]]
+    return Path(inspect.getsourcefile(top) or top.__file__).parent
+
+
 class _Partitioner:
     """Joint-stage passes, then the partitioner the passes asked for."""
 
     def __init__(self, manager: PassManager, ctx: CompileContext) -> None:
         self.manager, self.ctx = manager, ctx
 
-    def cache_key(self) -> str:
-        """Everything the partition depends on besides the joint graph: Inductor and AOT caches key on it."""
+    @functools.cached_property
+    def _key(self) -> str:
         ctx = self.ctx
-        sources = sorted({inspect.getsourcefile(p.fn) or p.name for p in self.manager.passes})
         digest = hashlib.sha256()
-        for path in sources:
-            digest.update(Path(path).read_bytes() if Path(path).is_file() else path.encode())
+        # Whole packages, not the pass functions' files: a pass's policy often lives beside its registration.
+        for root in sorted({_package_dir(p.fn) for p in self.manager.passes}):
+            for path in sorted(root.rglob("*.py")):
+                digest.update(path.read_bytes())
         opts = ctx.options
         digest.update(repr((opts.sac, opts.variant, sorted(opts.variant_options.items()), ctx.world, ctx.rank,
                             ctx.hardware.name, [p.name for p in self.manager.passes])).encode())
         return "autosp-" + digest.hexdigest()
+
+    def cache_key(self) -> str:
+        """Everything the partition depends on besides the joint graph: Inductor and AOT caches key on it."""
+        return self._key
 
     def __call__(self, joint: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any):
         self.ctx.extra["num_fwd_outputs"] = kwargs["num_fwd_outputs"]
