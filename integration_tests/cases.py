@@ -68,16 +68,18 @@ def reference(name: str, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
     return step(build(name), name, batch)
 
 
-def run_compiled(rank: int, world: int, names: list[str], batches: dict, backend: str) -> dict[str, Any]:
+def run_compiled(rank: int, world: int, names: list[str], batches: dict, backend: str,
+                 options: dict[str, Any] | None = None) -> dict[str, Any]:
     results = {}
     for name in names:
         model = build(name)
-        compiled = autosp.compile(model, backend=backend, fullgraph=True)
+        compiled = autosp.compile(model, backend=backend, fullgraph=True, **(options or {}))
         out = step(compiled, name, batches[name])
         report = compiled.autosp_reports[0]
         out["collectives"] = dict(report.collectives)
         out["fallbacks"] = list(report.fallbacks)
         out["layers"] = len(report.sites)
+        out["params"] = sum(1 for p in model.parameters() if p.requires_grad)
         results[name] = out
     return results
 

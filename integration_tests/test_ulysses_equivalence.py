@@ -37,10 +37,10 @@ def assert_matches(result: dict, ref: dict, name: str) -> None:
         torch.testing.assert_close(result["grads"][pname], g, rtol=1e-4, atol=1e-6, msg=f"{name}: grad of {pname}")
 
 
-def check(world: int, names: list[str], backend: str) -> dict:
+def check(world: int, names: list[str], backend: str, options: dict | None = None) -> dict:
     batches = make_batches(names)
     refs = {n: cases.reference(n, batches[n]) for n in names}
-    per_rank = run_spmd(cases.run_compiled, world, names, batches, backend)
+    per_rank = run_spmd(cases.run_compiled, world, names, batches, backend, options)
     for rank, results in enumerate(per_rank):
         for name in names:
             assert_matches(results[name], refs[name], f"{name} rank {rank}")
@@ -57,6 +57,8 @@ def test_two_ranks_aot_eager():
         # q, k, v in and the output back: four all-to-alls per attention layer, and nothing gathered.
         assert r["collectives"]["all_to_all"] == 4 * r["layers"], (name, r["collectives"])
         assert not r["fallbacks"], (name, r["fallbacks"])
+        # Every parameter gradient fits the default 25 MiB bucket: one all-reduce for all of them.
+        assert r["collectives"]["grad_all_reduce"] == 1, (name, r["collectives"])
 
 
 def test_four_ranks_fewer_kv_heads_than_ranks():
@@ -64,8 +66,11 @@ def test_four_ranks_fewer_kv_heads_than_ranks():
     check(4, ["llama", "llama-mqa", "hf-llama"], "aot_eager")
 
 
-def test_two_ranks_inductor():
-    check(2, ["llama", "gpt2"], "inductor")
+def test_two_ranks_inductor_many_gradient_buckets():
+    # 2 KiB buckets: the 64x64 weights go alone, norm weights and biases share buckets.
+    results = check(2, ["llama", "gpt2"], "inductor", {"grad_bucket_mb": 2 / 1024})
+    for name, r in results.items():
+        assert 1 < r["collectives"]["grad_all_reduce"] < r["params"], (name, r["collectives"], r["params"])
 
 
 def test_matmuls_see_only_local_tokens():

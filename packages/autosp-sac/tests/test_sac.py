@@ -51,11 +51,15 @@ def test_sac_on_saves_near_the_floor(saved):
         assert on <= 1.15 * floor, (seq, on, floor)
         assert on * 5 < off, (seq, on, off)
         assert report["attention sites kept"] == 2
+        # Every forward matmul recomputed once: at most a quarter of a step's FLOPs (fwd + 2 fwd + recompute).
+        assert 0 < report["recomputed FLOP fraction"] <= 0.25, report
+        assert report["recomputed comm fraction"] == 0  # one rank: nothing to communicate
 
 
 def test_auto_follows_the_cost_model(saved):
     short, long_ = saved[(512, "auto")][1], saved[(2048, "auto")][1]
     assert "default partitioner" in short["mode"] and short["forward nodes tagged for recompute"] == 0
+    assert short["recomputed FLOP fraction"] == 0  # the default choices never recompute a matmul
     assert "recompute" in long_["mode"] and long_["forward nodes tagged for recompute"] > 0
 
 
@@ -73,6 +77,9 @@ def test_sp_results_identical_across_sac(world):
         for sac in ("True", "auto"):
             assert_same(res["False"], res[sac])
         assert res["True"]["sac"]["attention forwards in backward"] == 0
+        # The q/k/v all-to-alls are recomputed with SAC on; at this length auto leaves them saved.
+        assert 0 < res["True"]["sac"]["recomputed comm fraction"] < 0.5, res["True"]["sac"]
+        assert res["auto"]["sac"]["recomputed comm fraction"] == 0, res["auto"]["sac"]
 
 
 def test_inductor_applies_the_policy_despite_its_caches():

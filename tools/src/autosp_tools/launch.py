@@ -29,11 +29,15 @@ class RankFailed(RuntimeError):
     """A spawned rank raised; the message carries its traceback."""
 
 
-def launch(fn: Callable[[Any, int, int], R], cfg: Any) -> R:
-    """``fn(cfg, rank, world)`` on every rank; returns rank 0's result."""
+def launch(fn: Callable[[Any, int, int], R], cfg: Any, *, always_spawn: bool = False) -> R:
+    """``fn(cfg, rank, world)`` on every rank; returns rank 0's result.
+
+    One rank runs in this process without a process group unless ``always_spawn``
+    (for code that needs a group even of one, such as DeepSpeed).
+    """
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _torchrun(fn, cfg)
-    if cfg.nproc == 1:
+    if cfg.nproc == 1 and not always_spawn:
         return fn(cfg, 0, 1)
     return _spawn(fn, cfg)
 

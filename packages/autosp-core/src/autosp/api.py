@@ -41,6 +41,7 @@ def backend(
     group: Any = None,
     backend: str = "inductor",
     disable_passes: tuple[str, ...] = (),
+    grad_bucket_mb: float = 25.0,
     **variant_options: Any,
 ) -> AutoSPBackend:
     """A Dynamo backend for ``torch.compile(model, backend=autosp.backend(...))``.
@@ -52,11 +53,12 @@ def backend(
         group: SP process group; default: the world, or subgroups of ``sp_size``.
         backend: "inductor", "aot_eager" or "eager": the compiler after AutoSP.
         disable_passes: names of passes to skip.
+        grad_bucket_mb: MiB per gradient all-reduce bucket (0: one collective per gradient).
         **variant_options: passed to the variant (for example ``ring_degree``).
     """
     options = SPOptions(
         sp_size=sp_size, variant=variant, sac=sac, group=group, backend=backend,
-        disable_passes=tuple(disable_passes), variant_options=variant_options,
+        disable_passes=tuple(disable_passes), grad_bucket_mb=grad_bucket_mb, variant_options=variant_options,
     )
     return AutoSPBackend(options)
 
@@ -70,6 +72,7 @@ def compile(  # noqa: A001 - mirrors torch.compile
     group: Any = None,
     backend: str = "inductor",
     disable_passes: tuple[str, ...] = (),
+    grad_bucket_mb: float = 25.0,
     variant_options: dict[str, Any] | None = None,
     **torch_compile_kwargs: Any,
 ) -> Callable[..., Any]:
@@ -82,7 +85,7 @@ def compile(  # noqa: A001 - mirrors torch.compile
     """
     be = globals()["backend"](
         sp_size=sp_size, variant=variant, sac=sac, group=group, backend=backend,
-        disable_passes=disable_passes, **(variant_options or {}),
+        disable_passes=disable_passes, grad_bucket_mb=grad_bucket_mb, **(variant_options or {}),
     )
     if be.world > 1:
         # A new sequence length recompiles instead of turning the length symbolic (not supported yet).

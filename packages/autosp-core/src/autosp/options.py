@@ -25,6 +25,8 @@ class SPOptions:
             subgroups of ``sp_size`` ranks when ``sp_size`` is smaller than the world.
         backend: compiler that runs after the AutoSP passes.
         disable_passes: names of passes to skip.
+        grad_bucket_mb: gradients are all-reduced in buckets of at most this many MiB
+            (0: one collective per gradient).
         variant_options: options the variant reads (for example ``ulysses_degree``).
     """
 
@@ -34,6 +36,7 @@ class SPOptions:
     group: Any = None
     backend: Backend = "inductor"
     disable_passes: tuple[str, ...] = ()
+    grad_bucket_mb: float = 25.0
     variant_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -41,6 +44,8 @@ class SPOptions:
             raise ConfigError(f"backend={self.backend!r} is not one of {BACKENDS}")
         if self.sac not in (True, False, "auto"):
             raise ConfigError(f"sac={self.sac!r}; use 'auto', True or False")
+        if not isinstance(self.grad_bucket_mb, (int, float)) or self.grad_bucket_mb < 0:
+            raise ConfigError(f"grad_bucket_mb={self.grad_bucket_mb!r}; it must be a number >= 0 (MiB)")
         if self.sp_size is not None and (not isinstance(self.sp_size, int) or self.sp_size < 1):
             raise ConfigError(f"sp_size={self.sp_size!r}; it must be a positive int or None")
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from autosp import Pass, Stage, hookimpl
-from autosp_sac.policy import audit_backward, tag
+from autosp_sac.audit import audit_backward, audit_forward
+from autosp_sac.policy import attention_ops, tag
+
 
 def _sac_on(ctx) -> bool:
     return ctx.options.sac is not False and ctx.options.backend != "eager"
@@ -19,17 +21,27 @@ SAC_PASS = Pass(
 )
 
 
+FORWARD_AUDIT_PASS = Pass(
+    "sac.audit_forward",
+    Stage.FORWARD,
+    lambda gm, ctx: audit_forward(gm, ctx, attention_ops(ctx)),
+    after=("autosp.dce_forward",),
+    applies=_sac_on,
+    doc="count the forward's matmul FLOPs and communication, for the backward audit",
+)
+
 AUDIT_PASS = Pass(
     "sac.audit_backward",
     Stage.BACKWARD,
-    lambda gm, ctx: audit_backward(gm, ctx),
+    lambda gm, ctx: audit_backward(gm, ctx, attention_ops(ctx)),
     after=("autosp.dce_backward",),
     applies=_sac_on,
-    doc="count attention forwards recomputed in the backward (should be zero)",
+    doc="attention forwards, FLOPs and bytes recomputed in the backward (attention forwards should be 0)",
 )
 
 
 @hookimpl
 def autosp_register_passes(register):
     register(SAC_PASS)
+    register(FORWARD_AUDIT_PASS)
     register(AUDIT_PASS)

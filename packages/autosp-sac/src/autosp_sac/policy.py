@@ -60,10 +60,4 @@ def tag(gm: fx.GraphModule, ctx: CompileContext) -> None:
     }
 
 
-def audit_backward(gm: fx.GraphModule, ctx: CompileContext) -> None:
-    ops = attention_ops(ctx)
-    count = sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target in ops)
-    ctx.report.sac["attention forwards in backward"] = count
-
-
-__all__ = ["attention_ops", "audit_backward", "tag"]
+__all__ = ["attention_ops", "tag"]

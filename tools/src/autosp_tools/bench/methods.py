@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autosp_tools.bench.workload import PositionIdsLM, Workload, build_model, make_batch
+from autosp_tools.bench.workload import Workload, build_model, make_batch
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,8 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("ds-autosp", "ds-autosp", True, True, label="DeepSpeed AutoSP (deepcompile, inductor)"),
     Method("autosp-ulysses", "autosp", True, True, {"variant": "ulysses", "sac": False}, "ours: ulysses"),
     Method("autosp-ulysses-sac", "autosp", True, True, {"variant": "ulysses", "sac": True}, "ours: ulysses + SAC"),
+    Method("autosp-ulysses-auto", "autosp", True, True, {"variant": "ulysses", "sac": "auto"},
+           "ours: ulysses, SAC by cost model (the default)"),
 )}
 REFERENCE = "eager"  # its loss is the single-device loss the others are compared with
 BASELINE = "ulysses"  # ratios in results.md are against this one
@@ -134,41 +136,18 @@ class UlyssesRunner(Runner):
 
 class DSAutoSPRunner(Runner):
     def __init__(self, m: Method, env: StepEnv) -> None:
-        from autosp_tools.bench.deepspeed_env import import_deepspeed
+        from autosp_tools.bench.ds_autosp import DeepSpeedAutoSP
 
-        deepspeed = import_deepspeed()
-        self.model = PositionIdsLM(build_model(env.workload, env.device))
-        config = {
-            "train_micro_batch_size_per_gpu": env.workload.batch_size,
-            "sequence_parallel_size": env.world,
-            "compile": {"deepcompile": True, "passes": ["autosp"]},
-            "zero_optimization": {"stage": env.zero_stage},
-            "steps_per_print": 10**9,
-            "wall_clock_breakdown": False,
-        }
-        # engine.backward insists on an optimizer; lr=0 and no step keeps the weights fixed like the others.
-        opt = torch.optim.SGD(self.model.parameters(), lr=0.0)
-        self.engine, *_ = deepspeed.initialize(model=self.model, optimizer=opt, config=config)
-        self.engine.compile()
+        self.ds = DeepSpeedAutoSP(build_model(env.workload, env.device), env.workload.batch_size, env.zero_stage)
+        self.model = self.ds.model
         self.ids, self.labels = make_batch(env.workload, env.device)
-        S = self.ids.shape[1]
-        self.pos = torch.arange(S, device=env.device)[None].expand_as(self.ids).contiguous()
-        self.world = env.world
         self.notes = {"zero_stage": env.zero_stage}
 
     def forward(self) -> tuple[torch.Tensor, float]:
-        from deepspeed.compile.passes.sp_compile import prepare_autosp_inputs
-
-        # prepare_autosp_inputs tags the tensors it is given; fresh clones keep each step alike.
-        ids, labels, pos, _ = prepare_autosp_inputs(self.ids.clone(), self.labels.clone(), self.pos.clone(),
-                                                     attention_mask=None, seq_dim=1)
-        loss = self.engine(ids, labels, pos)
-        local = loss.detach().float().clone()
-        dist.all_reduce(local)
-        return loss, float(local) / self.world
+        return self.ds.forward(self.ids, self.labels)
 
     def backward(self, loss: torch.Tensor) -> None:
-        self.engine.backward(loss)
+        self.ds.backward(loss)
 
 
 FAMILIES: dict[str, Callable[[Method, StepEnv], Runner]] = {

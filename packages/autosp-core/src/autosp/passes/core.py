@@ -9,6 +9,7 @@ from autosp.context import CompileContext
 from autosp.errors import AutoSPError
 from autosp.lowering import SDPA, insert_leaves, lower_to_aten
 from autosp.passes.manager import Pass, Stage
+from autosp.passes.grad_sync import sync_grads
 from autosp.passes.unrepeat import UNREPEAT_KV
 from autosp.sharding import collectives as C
 from autosp.sharding.context import SPContext
@@ -104,29 +105,6 @@ def shard(gm: torch.fx.GraphModule, ctx: CompileContext) -> torch.fx.GraphModule
     return out
 
 
-def sync_grads(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
-    """All-reduce every input gradient over the SP group, inside the backward.
-
-    Inputs are replicated, so their gradients are partial sums over ranks (see
-    ``autosp.sharding.collectives``); after this every rank holds the true one.
-    """
-    num_fwd = ctx.extra["num_fwd_outputs"]
-    out = gm.graph.output_node()
-    flat = list(out.args[0])
-    for i in range(num_fwd, len(flat)):
-        grad = flat[i]
-        if not isinstance(grad, torch.fx.Node):
-            continue
-        with gm.graph.inserting_before(out):
-            synced = gm.graph.call_function(torch.ops.autosp.all_reduce.default, (grad, ctx.group_name, True))
-        synced.meta["val"] = grad.meta.get("val")
-        flat[i] = synced
-        ctx.report.collectives["grad_all_reduce"] += 1
-    out.args = (flat, *out.args[1:])
-    gm.graph.lint()
-    gm.recompile()
-
-
 def eliminate_dead_code(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
     if gm.graph.eliminate_dead_code():
         gm.recompile()
@@ -143,9 +121,9 @@ PASSES = (
     UNREPEAT_KV,
     Pass("autosp.shard", Stage.GRAPH, shard, requires=("autosp.lower",), applies=_sp,
          doc="propagate placements; insert collectives and slices"),
-    Pass("autosp.sync_grads", Stage.JOINT, sync_grads, applies=_sp, doc="all-reduce input gradients"),
+    Pass("autosp.sync_grads", Stage.JOINT, sync_grads, applies=_sp, doc="all-reduce input gradients in buckets"),
     Pass("autosp.dce_forward", Stage.FORWARD, eliminate_dead_code, doc="drop dead nodes"),
     Pass("autosp.dce_backward", Stage.BACKWARD, eliminate_dead_code, doc="drop dead recompute"),
 )
 
-__all__ = ["PASSES", "eliminate_dead_code", "find_attention", "lower", "shard", "sync_grads"]
+__all__ = ["PASSES", "eliminate_dead_code", "find_attention", "lower", "shard"]
