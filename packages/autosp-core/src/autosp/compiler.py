@@ -108,8 +108,11 @@ class _Partitioner:
             for path in sorted(root.rglob("*.py")):
                 digest.update(path.read_bytes())
         opts = ctx.options
-        digest.update(repr((opts.sac, opts.variant, sorted(opts.variant_options.items()), ctx.world, ctx.rank,
-                            ctx.hardware.name, [p.name for p in self.manager.passes])).encode())
+        # The group's name is baked into the collectives, so a graph cached for another group must not match.
+        group = ctx.group_name if ctx.sp else None
+        digest.update(repr((opts.sac, opts.variant, sorted(opts.variant_options.items()), opts.grad_bucket_mb,
+                            ctx.world, ctx.rank, group, ctx.hardware.name,
+                            [p.name for p in self.manager.passes])).encode())
         return "autosp-" + digest.hexdigest()
 
     def cache_key(self) -> str:
