@@ -145,9 +145,9 @@ def table(rows: list[dict[str, Any]]) -> str:
         by_key.setdefault((r["sp"], r["seq"]), {})[r["sac"]] = r
     lines = [
         "| sp | seq | floor MiB | saved off | saved auto | saved on | saved DeepSpeed | on / floor | auto mode "
-        "| step ms off | step ms on | step ms DeepSpeed | on / off | DeepSpeed / on | recomputed FLOPs "
-        "| recomputed comm |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| step ms off | step ms auto | step ms on | step ms DeepSpeed | on / off | DeepSpeed / on "
+        "| DeepSpeed / auto | recomputed FLOPs | recomputed comm |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     mib = 2**20
     for (sp, seq), runs in sorted(by_key.items()):
@@ -167,7 +167,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         mode = auto.get("sac_report", {}).get("mode", "-").split("-> ")[-1]
         lines.append(
             f"| {sp} | {seq} | {floor / mib:.2f} | {saved(off)} | {saved(auto)} | {saved(on)} | {saved(ds)} "
-            f"| {on_floor} | {mode} | {ms(off)} | {ms(on)} | {ms(ds)} | {ratio(on, off)} | {ratio(ds, on)} "
+            f"| {on_floor} | {mode} | {ms(off)} | {ms(auto)} | {ms(on)} | {ms(ds)} | {ratio(on, off)} "
+            f"| {ratio(ds, on)} | {ratio(ds, auto)} "
             f"| {_fraction(on, 'recomputed FLOP fraction')} | {_fraction(on, 'recomputed comm fraction')} |"
         )
     return "\n".join(lines)
