@@ -87,11 +87,15 @@ def _ancestors(starts: Iterable[fx.Node], within: set[fx.Node]) -> set[fx.Node]:
     return seen
 
 
-def layer_input(attn: fx.Node, fwd: set[fx.Node], order: dict[fx.Node, int]) -> fx.Node | None:
+def layer_input(attn: fx.Node, fwd: set[fx.Node], order: dict[fx.Node, int],
+                live: set[fx.Node] | None = None) -> fx.Node | None:
     """The residual-stream tensor an attention block starts from.
 
     The latest forward node that q, k and v all descend from and that is also used
-    outside their computation (by the residual connection).
+    outside their computation (by the residual connection) on the way to the forward's
+    outputs (``live``). A node that does not need a tangent but feeds only the backward
+    (Inductor's decompositions make such nodes, e.g. an MLP activation's sigmoid for its
+    backward) is not the residual stream.
     """
     qkv = [a for a in attn.args[:3] if isinstance(a, fx.Node)]
     if len(qkv) < 3:
@@ -105,26 +109,33 @@ def layer_input(attn: fx.Node, fwd: set[fx.Node], order: dict[fx.Node, int]) -> 
         for node in common
         if isinstance(node.meta.get("val"), torch.Tensor)
         and node.meta["val"].is_floating_point()
-        and any(u in fwd and u not in cone for u in node.users)
+        and any(u in fwd and u not in cone and (live is None or u in live) for u in node.users)
     ]
     if not candidates:
         return None
     return max(candidates, key=lambda n: (nbytes(n), order[n]))
 
 
-def analyse(gm: fx.GraphModule, attention_ops: frozenset) -> JointInfo:
+def forward_outputs_cone(gm: fx.GraphModule, num_fwd_outputs: int, fwd: set[fx.Node]) -> set[fx.Node]:
+    """Forward nodes the joint graph's first ``num_fwd_outputs`` outputs depend on."""
+    outs = gm.graph.output_node().args[0][:num_fwd_outputs]
+    return _ancestors([o for o in outs if isinstance(o, fx.Node)], fwd)
+
+
+def analyse(gm: fx.GraphModule, attention_ops: frozenset, num_fwd_outputs: int | None = None) -> JointInfo:
     fwd_list = forward_nodes(gm)
     fwd = set(fwd_list)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     attention = [n for n in fwd_list if n.target in attention_ops]
     info = JointInfo(fwd_list, attention)
+    live = forward_outputs_cone(gm, num_fwd_outputs, fwd) if num_fwd_outputs is not None else None
     for attn in attention:
-        x = layer_input(attn, fwd, order)
+        x = layer_input(attn, fwd, order, live)
         if x is not None and x not in info.layer_inputs:
             info.layer_inputs.append(x)
     return info
 
 
 __all__ = [
-    "ATTENTION_KERNELS", "MATMULS", "JointInfo", "analyse", "forward_nodes", "hint", "is_random", "layer_input", "nbytes",
+    "ATTENTION_KERNELS", "MATMULS", "JointInfo", "analyse", "forward_nodes", "forward_outputs_cone", "hint", "is_random", "layer_input", "nbytes",
 ]
