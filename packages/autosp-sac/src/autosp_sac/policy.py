@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import operator
 
-import torch
 from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
