@@ -109,12 +109,12 @@ def sync_grads(gm: fx.GraphModule, ctx: CompileContext) -> None:
             if len(bucket.grads) == 1:
                 flat[bucket.grads[0][0]] = done
                 continue
-            vals = [n.meta["val"] for _, n in bucket.grads]
+            shapes = [n.meta["val"].shape for _, n in bucket.grads]
             pieces = _call(g, torch.ops.aten.split_with_sizes.default,
-                           (done, [int(v.numel()) for v in vals]), fake_mode)
-            for k, ((slot, _), v) in enumerate(zip(bucket.grads, vals)):
+                           (done, [int(shape.numel()) for shape in shapes]), fake_mode)
+            for k, ((slot, _), shape) in enumerate(zip(bucket.grads, shapes)):
                 piece = _call(g, operator.getitem, (pieces, k), fake_mode)
-                flat[slot] = _call(g, torch.ops.aten.view.default, (piece, list(v.shape)), fake_mode)
+                flat[slot] = _call(g, torch.ops.aten.view.default, (piece, list(shape)), fake_mode)
     out.args = (flat, *out.args[1:])
     g.lint()
     gm.recompile()
