@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -30,6 +31,12 @@ class SPValue:
 AttentionRule = Callable[["SPContext", torch.fx.Node, "AttentionSite", tuple, dict], Any]
 
 
+def _core_rules() -> Mapping[Any, Callable[..., Any]]:
+    from autosp.sharding.rules import RULES
+
+    return RULES
+
+
 @dataclass
 class SPContext:
     """What the rules need to know about the SP group and the program.
@@ -42,6 +49,8 @@ class SPContext:
         attention_rule: how the selected SP variant rewrites one attention site.
         sites: attention sites by the name of their node in the lowered graph.
         layout_fn: the variant's choice of sequence layout (``None``: contiguous, even).
+        rules: sharding rule per aten op (core's and the plugins'); defaults to core's own.
+        variant_state: what the variant prepared for this compile (``SPVariant.prepare``).
     """
 
     rank: int
@@ -54,6 +63,8 @@ class SPContext:
     fallbacks: list[str] = field(default_factory=list)
     variant_options: dict[str, Any] = field(default_factory=dict)
     layout_fn: Callable[[IntLike, int, dict[str, Any]], Layout | None] | None = None
+    rules: Mapping[Any, Callable[..., Any]] = field(default_factory=_core_rules)
+    variant_state: Any = None
 
     def even_ranges(self, length: IntLike) -> Layout:
         return even_ranges(length, self.world)

@@ -20,9 +20,10 @@ from torch.utils import _pytree as pytree
 from autosp.sharding import collectives as C
 from autosp.sharding.context import SPContext, SPValue
 from autosp.sharding.dims import guess_seq_dim
-from autosp.sharding.placement import Replicate, SeqAxis
-from autosp.sharding.redistribute import gather
-from autosp.sharding.rules import RULES, all_replicated, elementwise_rule, fallback, is_elementwise, replicated, values
+from autosp.sharding.placement import HeadShard, Partial, Replicate, SeqAxis
+from autosp.sharding.redistribute import gather, to_replicate
+from autosp.sharding.rules import all_replicated, elementwise_rule, fallback, is_elementwise, replicated, values
+from autosp.sharding.rules.base import Rule, accepted
 
 
 def _input_value(node: torch.fx.Node, x: Any, ctx: SPContext, is_param: bool) -> Any:
@@ -33,7 +34,28 @@ def _input_value(node: torch.fx.Node, x: Any, ctx: SPContext, is_param: bool) ->
     return SPValue(x, Replicate(axis), node.meta.get("val", x))
 
 
+def normalize_inputs(ctx: SPContext, node: torch.fx.Node, fn: Rule, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Whole values for the placements ``fn`` did not declare it handles.
+
+    A ``Partial`` input is all-reduced (exact, and not a fallback: a partial sum must become
+    whole before anything nonlinear); a ``HeadShard`` input is gathered and reported.
+    """
+    ok = accepted(fn)
+
+    def fix(v: Any) -> Any:
+        if not isinstance(v, SPValue):
+            return v
+        if isinstance(v.placement, Partial) and Partial not in ok:
+            return to_replicate(ctx, v)
+        if isinstance(v.placement, HeadShard) and HeadShard not in ok:
+            return to_replicate(ctx, v, f"{node.name} ({node.target}): head-sharded input gathered")
+        return v
+
+    return pytree.tree_map(fix, (args, kwargs), is_leaf=lambda x: isinstance(x, SPValue))
+
+
 def evaluate(ctx: SPContext, node: torch.fx.Node, args: tuple, kwargs: dict) -> Any:
+    """This rank's value of ``node``: the attention rule at attention sites, else the op's sharding rule."""
     if node.target is operator.getitem:
         return operator.getitem(args[0], args[1])
     site = ctx.sites.get(node.name)
@@ -41,11 +63,12 @@ def evaluate(ctx: SPContext, node: torch.fx.Node, args: tuple, kwargs: dict) -> 
         return ctx.attention_rule(ctx, node, site, args, kwargs)
     if "val" not in node.meta:
         return fallback(ctx, node, args, kwargs) if values((args, kwargs)) else node.target(*args, **kwargs)
-    rule = RULES.get(node.target)
-    if rule is None and is_elementwise(node.target):
-        rule = elementwise_rule
-    if rule is not None:
-        return rule(ctx, node, args, kwargs)
+    fn = ctx.rules.get(node.target)
+    if fn is None and is_elementwise(node.target):
+        fn = elementwise_rule
+    if fn is not None:
+        args, kwargs = normalize_inputs(ctx, node, fn, args, kwargs)
+        return fn(ctx, node, args, kwargs)
     if all_replicated((args, kwargs)):
         return replicated(ctx, node, args, kwargs)
     return fallback(ctx, node, args, kwargs)

@@ -4,10 +4,15 @@ A rule receives the op's arguments with every tensor as an ``SPValue`` and retur
 ``SPValue`` (or a tuple of them).  Ops without a rule run replicated: their
 sharded inputs are gathered first, which is always correct and reported as a
 fallback, so an op we do not know can cost memory but never change a result.
+
+A rule sees ``Partial`` or ``HeadShard`` inputs only if it declares so
+(``accepts=``): the engine reduces or gathers them first otherwise, so a rule
+cannot compute on a summand while claiming a whole value (see ../README.md).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, Callable
 
 import torch
@@ -19,11 +24,24 @@ from autosp.sharding.redistribute import to_replicate
 
 aten = torch.ops.aten
 Rule = Callable[[SPContext, torch.fx.Node, tuple, dict], Any]
+# Core's own rules; ``autosp.builtins`` registers them through ``autosp_register_sharding_rules``.
 RULES: dict[Any, Rule] = {}
 
 
-def rule(*ops: Any) -> Callable[[Rule], Rule]:
+def declare(fn: Rule, accepts: Iterable[type] = ()) -> Rule:
+    """Record which non-plain placements ``fn`` handles itself (``Partial``, ``HeadShard``)."""
+    fn.accepts = frozenset(accepts)  # type: ignore[attr-defined]
+    return fn
+
+
+def accepted(fn: Rule) -> frozenset[type]:
+    """Placements a rule declared it handles; undeclared rules get Replicate and Shard inputs only."""
+    return getattr(fn, "accepts", frozenset())
+
+
+def rule(*ops: Any, accepts: Iterable[type] = ()) -> Callable[[Rule], Rule]:
     def register(fn: Rule) -> Rule:
+        declare(fn, accepts)
         for op in ops:
             RULES[op] = fn
         return fn
@@ -86,6 +104,6 @@ def is_elementwise(op: Any) -> bool:
 
 
 __all__ = [
-    "RULES", "Rule", "all_replicated", "call", "fallback", "is_elementwise", "locals_of", "reduce_partials",
+    "RULES", "Rule", "accepted", "all_replicated", "declare", "call", "fallback", "is_elementwise", "locals_of", "reduce_partials",
     "replicated", "rule", "seq_dim", "values", "wrap",
 ]

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from autosp.sharding.context import SPContext, SPValue
-from autosp.sharding.placement import HeadShard, Partial, Replicate, SeqAxis, Shard
+from autosp.sharding.placement import Partial, Replicate, SeqAxis, Shard
 from autosp.sharding.redistribute import gather, slice_to, to_replicate, to_shard
 from autosp.sharding.rules.base import (
     fallback, replicated, rule,
@@ -23,26 +23,27 @@ def _mm_labels(ndim: int, which: str) -> list[str]:
     return batch + (["n", "k"] if which == "a" else ["k", "m"])
 
 
-@rule(aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default)
+@rule(aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default, accepts=(Partial,))
 def matmul_rule(ctx, node, args, kwargs):
     has_bias = node.target in (aten.addmm.default, aten.baddbmm.default)
     bias = args[0] if has_bias else None
     a, b = (args[1], args[2]) if has_bias else (args[0], args[1])
     extra = args[3:] if has_bias else args[2:]
-    if any(isinstance(v.placement, HeadShard) for v in (a, b)):
-        return fallback(ctx, node, args, kwargs)
-    a, b = _trigger(ctx, a, _mm_labels(a.ndim, "a")), _trigger(ctx, b, _mm_labels(b.ndim, "b"))
-    pa, pb = a.placement, b.placement
-    la, lb = _mm_labels(a.ndim, "a"), _mm_labels(b.ndim, "b")
-    out_labels = la[:-2] + ["n", "m"]
-    partial = [isinstance(p, Partial) for p in (pa, pb)]
+    partial = [isinstance(v.placement, Partial) for v in (a, b)]
     if any(partial):
         other = b if partial[0] else a
         if sum(partial) == 1 and isinstance(other.placement, Replicate) and bias is None and not extra:
             # A matmul is linear in each operand: a partial sum times a whole value stays partial.
             return SPValue(node.target(a.local, b.local), Partial(), node.meta["val"])
-        a, b = to_replicate(ctx, a), to_replicate(ctx, b)
-        pa, pb = a.placement, b.placement
+    # Anything else needs whole operands (a bias would be added once per rank).
+    a, b = to_replicate(ctx, a), to_replicate(ctx, b)
+    if bias is not None:
+        bias = to_replicate(ctx, bias)
+    args = (bias, a, b, *extra) if has_bias else (a, b, *extra)
+    a, b = _trigger(ctx, a, _mm_labels(a.ndim, "a")), _trigger(ctx, b, _mm_labels(b.ndim, "b"))
+    pa, pb = a.placement, b.placement
+    la, lb = _mm_labels(a.ndim, "a"), _mm_labels(b.ndim, "b")
+    out_labels = la[:-2] + ["n", "m"]
     shard_label = None
     lead = None
     if isinstance(pa, Shard):
@@ -68,7 +69,7 @@ def matmul_rule(ctx, node, args, kwargs):
     out_dim = out_labels.index(shard_label)
     placement = Shard(lead.axis.at(out_dim), lead.ranges)
     if bias is not None:
-        bias_local = bias.local if isinstance(bias.placement, Replicate) else gather(ctx, bias)
+        bias_local = bias.local
         out_ndim = len(out_labels)
         d = out_dim - (out_ndim - bias.ndim)
         if d >= 0 and bias.gval.shape[d] != 1:

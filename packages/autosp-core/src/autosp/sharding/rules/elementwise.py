@@ -12,7 +12,7 @@ from autosp.sharding.dims import broadcast_dim
 from autosp.sharding.placement import HeadShard, Partial, Replicate, SeqAxis, Shard
 from autosp.sharding.redistribute import to_replicate, to_shard
 from autosp.sharding.rules.base import (
-    RULES, call, fallback, reduce_partials, replicated, values, wrap,
+    RULES, call, declare, fallback, reduce_partials, replicated, values, wrap,
 )
 
 aten = torch.ops.aten
@@ -35,6 +35,9 @@ _LINEAR = {
 def _partial_ok(op: Any, args: tuple, kwargs: dict) -> bool:
     kind = _LINEAR.get(op)
     if kind is None or kwargs.get("alpha", 1) != 1:
+        return False
+    if kind == "all" and any(isinstance(a, (int, float, bool)) for a in args[1:]):
+        # ``partial + 1`` would add the constant once per rank.
         return False
     tensors = values(args)
     partial = [isinstance(v.placement, Partial) for v in tensors]
@@ -116,9 +119,9 @@ for _op in (
     aten.clamp.Tensor,
     aten.masked_fill.Tensor,
     aten.fill.Scalar,
-    aten.tril.default,
-    aten.triu.default,
 ):
     RULES[_op] = elementwise
+# Partial inputs are handled above (linear ops keep them; the rest reduce them first).
+declare(elementwise, (Partial,))
 
 

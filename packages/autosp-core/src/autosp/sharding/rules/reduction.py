@@ -35,7 +35,7 @@ def _after_reduce(dim: int, dims: list[int], keepdim: bool) -> int:
     return dim if keepdim else dim - sum(1 for d in dims if d < dim)
 
 
-@rule(aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default)
+@rule(aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default, accepts=(Partial,))
 def sum_rule(ctx, node, args, kwargs):
     v = args[0]
     p = v.placement

@@ -11,7 +11,7 @@ from autosp.sharding.dims import map_view, normalize_dim
 from autosp.sharding.placement import HeadShard, Partial, Replicate, SeqAxis, Shard
 from autosp.sharding.redistribute import to_replicate, to_shard
 from autosp.sharding.rules.base import (
-    RULES, all_replicated, call, fallback, replicated, rule, seq_dim, wrap,
+    RULES, all_replicated, call, declare, fallback, replicated, rule, seq_dim, wrap,
 )
 
 aten = torch.ops.aten
@@ -48,12 +48,13 @@ def _reshape(ctx: SPContext, node: torch.fx.Node, v: SPValue) -> SPValue:
     aten.squeeze.default,
     aten.flatten.using_ints,
     aten.unflatten.int,
+    accepts=(Partial,),
 )
 def reshape_rule(ctx, node, args, kwargs):
     return _reshape(ctx, node, args[0])
 
 
-@rule(aten.expand.default)
+@rule(aten.expand.default, accepts=(Partial,))
 def expand_rule(ctx, node, args, kwargs):
     v, sizes = args[0], list(args[1])
     p = v.placement
@@ -65,7 +66,8 @@ def expand_rule(ctx, node, args, kwargs):
         dim = p.axis.dim + shift
         sizes[dim] = v.local.shape[p.axis.dim]
         return SPValue(v.local.expand(sizes), Shard(p.axis.at(dim), p.ranges), node.meta["val"])
-    return fallback(ctx, node, args, kwargs)
+    # Broadcasting copies a summand: the copies still sum to the whole value.
+    return SPValue(call(node, args, kwargs), p, node.meta["val"])
 
 
 def _permuted(ctx, node, args, kwargs, new_dim: Callable[[int], int]):
@@ -83,26 +85,26 @@ def _permuted(ctx, node, args, kwargs, new_dim: Callable[[int], int]):
     return SPValue(out, placement, node.meta["val"])
 
 
-@rule(aten.permute.default)
+@rule(aten.permute.default, accepts=(Partial, HeadShard))
 def permute_rule(ctx, node, args, kwargs):
     order = [normalize_dim(d, args[0].ndim) for d in args[1]]
     return _permuted(ctx, node, args, kwargs, order.index)
 
 
-@rule(aten.transpose.int)
+@rule(aten.transpose.int, accepts=(Partial, HeadShard))
 def transpose_rule(ctx, node, args, kwargs):
     a, b = (normalize_dim(d, args[0].ndim) for d in args[1:3])
     return _permuted(ctx, node, args, kwargs, lambda d: b if d == a else a if d == b else d)
 
 
-@rule(aten.t.default)
+@rule(aten.t.default, accepts=(Partial, HeadShard))
 def t_rule(ctx, node, args, kwargs):
     return _permuted(ctx, node, args, kwargs, lambda d: (args[0].ndim - 1 - d) if args[0].ndim == 2 else d)
 
 
 
 
-@rule(aten.slice.Tensor)
+@rule(aten.slice.Tensor, accepts=(Partial,))
 def slice_rule(ctx, node, args, kwargs):
     v = args[0]
     dim = normalize_dim(args[1] if len(args) > 1 else kwargs.get("dim", 0), v.ndim)
@@ -150,7 +152,7 @@ def _same_placement(ctx, node, args, kwargs):
     return wrap(out, node.meta["val"], lambda _i, _g: v.placement)
 
 
-@rule(aten.select.int)
+@rule(aten.select.int, accepts=(Partial,))
 def select_rule(ctx, node, args, kwargs):
     v, dim, index = args
     dim = normalize_dim(dim, v.ndim)
@@ -176,8 +178,9 @@ def select_rule(ctx, node, args, kwargs):
             out = v.local.select(dim, offset + index - lo)
         offset += hi - lo
     if out is None:
-        # Zeros that still depend on the input: every rank must need the same backward collectives.
-        out = v.local.sum(dim) * 0
+        # Zeros that still depend on the input, so every rank runs the same backward collectives;
+        # masked_fill, not ``* 0``, so an inf or nan elsewhere in the shard cannot leak into the sum.
+        out = v.local.sum(dim).masked_fill(torch.ones((), dtype=torch.bool, device=v.local.device), 0)
     return SPValue(out, Partial(), node.meta["val"])
 
 
@@ -189,11 +192,11 @@ def _split_like(ctx, node, args, kwargs):
     return _same_placement(ctx, node, args, kwargs)
 
 
-RULES[aten.split.Tensor] = _split_like
+RULES[aten.split.Tensor] = declare(_split_like, (Partial,))
 RULES[aten.split_with_sizes.default] = _split_like
 
 
-@rule(aten.unbind.int)
+@rule(aten.unbind.int, accepts=(Partial,))
 def unbind_rule(ctx, node, args, kwargs):
     v = args[0]
     dim = normalize_dim(args[1] if len(args) > 1 else 0, v.ndim)
@@ -233,7 +236,7 @@ def cat_rule(ctx, node, args, kwargs):
 
 
 
-@rule(aten.sym_size.int)
+@rule(aten.sym_size.int, accepts=(Partial, HeadShard))
 def sym_size_rule(ctx, node, args, kwargs):
     # Shapes in the graph are global sizes; rules derive the local ones, so answer globally.
     v, dim = args
