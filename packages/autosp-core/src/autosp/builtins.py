@@ -17,3 +17,11 @@ def autosp_register_passes(register):
 def autosp_register_hardware(register):
     for profile in BUILTIN_PROFILES:
         register(profile)
+
+
+@hookimpl
+def autosp_register_sharding_rules(register):
+    from autosp.sharding.rules import RULES
+
+    for op, rule in RULES.items():
+        register(op, rule)

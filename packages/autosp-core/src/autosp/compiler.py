@@ -120,7 +120,7 @@ class _Partitioner:
         return self._key
 
     def __call__(self, joint: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any):
-        self.ctx.extra["num_fwd_outputs"] = kwargs["num_fwd_outputs"]
+        self.ctx.num_fwd_outputs = kwargs["num_fwd_outputs"]
         joint = self.manager.run(Stage.JOINT, joint, self.ctx)
         kwargs.pop("compiler", None)
         if self.ctx.min_cut or self.ctx.options.backend == "inductor":

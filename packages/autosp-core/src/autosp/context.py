@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -13,6 +13,8 @@ from autosp.options import SPOptions
 from autosp.registry import Registry
 from autosp.report import Report
 from autosp.variants import SPVariant
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -31,6 +33,9 @@ class CompileContext:
         sites: attention sites found in the graph.
         report: filled as passes run.
         min_cut: set by passes that need the min-cut partitioner (recompute tags).
+        seq_len: the sequence length the attention sites agree on (set by ``autosp.find_attention``).
+        num_fwd_outputs: outputs of the joint graph that belong to the forward (set before the joint stage).
+        variant_state: what ``SPVariant.prepare`` returned for this compile (subgroups, tables).
     """
 
     options: SPOptions
@@ -49,7 +54,18 @@ class CompileContext:
     report: Report
     sites: list[AttentionSite] = field(default_factory=list)
     min_cut: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
+    seq_len: int | torch.SymInt | None = None
+    num_fwd_outputs: int | None = None
+    variant_state: Any = None
+    _plugin_state: dict[type, Any] = field(default_factory=dict)
+
+    def put_state(self, value: Any) -> None:
+        """Keep a plugin's per-compile state, keyed by its type (one value per type)."""
+        self._plugin_state[type(value)] = value
+
+    def get_state(self, kind: type[T]) -> T | None:
+        """The value of type ``kind`` a pass stored earlier in this compile, if any."""
+        return self._plugin_state.get(kind)
 
     @property
     def sp(self) -> bool:

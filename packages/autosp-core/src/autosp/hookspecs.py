@@ -39,6 +39,18 @@ def autosp_register_attention(register: Callable[[AttentionSpec], None]) -> None
 
 
 @hookspec
+def autosp_register_sharding_rules(register: Callable[..., None]) -> None:
+    """Called once when the registry loads; give sharding rules for ops you own.
+
+    Call ``register(op, rule, accepts=())`` per aten/custom op overload: ``rule(ctx, node, args, kwargs)``
+    returns this rank's ``SPValue`` (see ``autosp.sharding`` and its README for the contract);
+    ``accepts`` names the placements beyond Replicate and Shard the rule handles itself
+    (``Partial``, ``HeadShard``); the engine makes other inputs whole first. Registering an op
+    that already has a rule (core's or another plugin's) is an error.
+    """
+
+
+@hookspec
 def autosp_register_hardware(register: Callable[[HardwareProfile], None]) -> None:
     """Called once when the registry loads; register hardware profiles for cost models."""
 
@@ -47,6 +59,7 @@ __all__ = [
     "autosp_register_attention",
     "autosp_register_hardware",
     "autosp_register_passes",
+    "autosp_register_sharding_rules",
     "autosp_register_variants",
     "hookimpl",
     "hookspec",

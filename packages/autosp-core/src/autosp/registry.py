@@ -11,6 +11,7 @@ import os
 import sys
 import threading
 from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import pluggy
@@ -36,6 +37,7 @@ class Registry:
     variants: dict[str, SPVariant] = field(default_factory=dict)
     attention: dict[str, AttentionSpec] = field(default_factory=dict)
     hardware: dict[str, HardwareProfile] = field(default_factory=dict)
+    sharding_rules: dict[Any, Callable[..., Any]] = field(default_factory=dict)
 
     def variant(self, name: str) -> SPVariant:
         if name in self.variants:
@@ -63,6 +65,20 @@ def _adder(kind: str, table: dict[str, Any]):
     return register
 
 
+def _rule_adder(table: dict[Any, Callable[..., Any]]):
+    from autosp.sharding.rules.base import declare
+
+    def register(op: Any, rule: Callable[..., Any], *, accepts: Iterable[type] = ()) -> None:
+        if op in table:
+            raise ConfigError(
+                f"two plugins register a sharding rule for {op}; block one with {BLOCK_ENV} "
+                "(core's own rules cannot be replaced)"
+            )
+        table[op] = declare(rule, accepts) if accepts else rule
+
+    return register
+
+
 def build_registry(extra_plugins: tuple[Any, ...] = ()) -> Registry:
     """Load plugins from entry points (and ``extra_plugins``) and collect their registrations."""
     pm = pluggy.PluginManager(hookspecs.PROJECT)
@@ -82,6 +98,7 @@ def build_registry(extra_plugins: tuple[Any, ...] = ()) -> Registry:
     pm.hook.autosp_register_variants(register=_adder("variant", reg.variants))
     pm.hook.autosp_register_attention(register=_adder("attention op", reg.attention))
     pm.hook.autosp_register_hardware(register=_adder("hardware profile", reg.hardware))
+    pm.hook.autosp_register_sharding_rules(register=_rule_adder(reg.sharding_rules))
     return reg
 
 

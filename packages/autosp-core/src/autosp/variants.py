@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from autosp.analysis.attention import AttentionSite
+    from autosp.context import CompileContext
     from autosp.sharding.context import AttentionRule
     from autosp.sharding.placement import IntLike, Layout
 
@@ -23,6 +24,8 @@ class SPVariant:
             what to do instead; runs at compile time, before any collective.
         layout: how to split the sequence where sharding starts, from (length, world,
             variant options); ``None`` (or a ``None`` result) keeps contiguous even intervals.
+        prepare: runs once per compile before the rewrite (after ``check``); what it returns
+            reaches the attention rule as ``SPContext.variant_state`` (subgroups, say).
         doc: one line for reports.
     """
 
@@ -30,6 +33,7 @@ class SPVariant:
     attention_rule: AttentionRule
     check: Callable[[AttentionSite, int], None] = lambda site, world: None
     layout: Callable[[IntLike, int, dict[str, Any]], Layout | None] | None = None
+    prepare: Callable[[CompileContext], Any] | None = None
     doc: str = ""
 
 

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from autosp import Pass, Stage
 from autosp.analysis.attention import AttentionSite
 from autosp.context import CompileContext
 from autosp.errors import AutoSPError, ConfigError
@@ -33,6 +32,7 @@ class Groups:
     degree: int  # ulysses degree U
 
 
+# A cache of process groups, not state: the rule gets its groups from ``SPContext.variant_state``.
 _GROUPS: dict[tuple[str, int], Groups] = {}
 
 
@@ -60,8 +60,13 @@ def _check_heads(site: AttentionSite, u: int) -> None:
         )
 
 
-def make_groups(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
-    """Validate the degrees and create the subgroups, before the rewrite and any collective of the program."""
+def make_groups(ctx: CompileContext) -> Groups:
+    """Validate the degrees and make the subgroups, before the rewrite and any collective of the program.
+
+    ``SPVariant.prepare`` of the hybrid variant: the attention rule reads the result as
+    ``SPContext.variant_state``. Process groups are made once per (SP group, degree) and reused
+    by later compiles, since creating one is itself a collective.
+    """
     u = ulysses_degree(ctx.options.variant_options, ctx.world)
     for site in ctx.sites:
         _check_heads(site, u)
@@ -75,17 +80,7 @@ def make_groups(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
         rg = dist.new_group(ranks[j::u], use_local_synchronization=True)
         _GROUPS[key] = Groups(ug.group_name, rg.group_name, u)
     ctx.report.notes.append(f"hybrid: ulysses_degree={u} x ring_degree={ctx.world // u}")
-
-
-GROUPS_PASS = Pass(
-    "ring.hybrid_groups",
-    Stage.GRAPH,
-    make_groups,
-    requires=("autosp.lower",),
-    before=("autosp.shard",),
-    applies=lambda ctx: ctx.sp and ctx.options.variant == "hybrid",
-    doc="hybrid: check degrees and heads, create ulysses and ring subgroups",
-)
+    return _GROUPS[key]
 
 
 def _kv_for_heads(x: torch.Tensor, heads: int, g: Groups, rank_u: int) -> torch.Tensor:
@@ -106,7 +101,7 @@ def _kv_for_heads(x: torch.Tensor, heads: int, g: Groups, rank_u: int) -> torch.
 
 
 def hybrid_attention_rule(ctx: SPContext, node: torch.fx.Node, site: AttentionSite, args: tuple, kwargs: dict) -> SPValue:
-    g = _GROUPS[(ctx.group_name, ulysses_degree(ctx.variant_options, ctx.world))]
+    g: Groups = ctx.variant_state
     call = parse(node, site, args, kwargs)
     q, k, v = seq_chunks(ctx, site, call)
     rank_u = ctx.rank % g.degree
@@ -120,4 +115,4 @@ def hybrid_attention_rule(ctx: SPContext, node: torch.fx.Node, site: AttentionSi
     return SPValue(from_bhsd(site, back), Shard(SeqAxis(sdim, length), ctx.even_ranges(length)), node.meta["val"])
 
 
-__all__ = ["GROUPS_PASS", "Groups", "hybrid_attention_rule", "make_groups", "ulysses_degree"]
+__all__ = ["Groups", "hybrid_attention_rule", "make_groups", "ulysses_degree"]

@@ -8,7 +8,7 @@ from autosp import AttentionSpec, Pass, SPVariant, Stage, hookimpl
 
 import autosp_ring.op  # noqa: F401 - defines torch.ops.autosp_ring.*
 from autosp_ring.attention import check, ring_attention_rule, ring_layout
-from autosp_ring.hybrid import GROUPS_PASS, hybrid_attention_rule
+from autosp_ring.hybrid import hybrid_attention_rule, make_groups
 
 RING = SPVariant(
     name="ring",
@@ -22,6 +22,7 @@ HYBRID = SPVariant(
     name="hybrid",
     attention_rule=hybrid_attention_rule,
     check=check,
+    prepare=make_groups,
     doc="USP: Ulysses inside groups of ulysses_degree ranks, ring attention across them",
 )
 
@@ -61,7 +62,6 @@ def autosp_register_variants(register):
 
 @hookimpl
 def autosp_register_passes(register):
-    register(GROUPS_PASS)
     register(COUNT_PASS)
 
 

@@ -57,13 +57,13 @@ def count(gm: fx.GraphModule, attention: frozenset) -> GraphCounts:
 
 
 def audit_forward(gm: fx.GraphModule, ctx: CompileContext, attention: frozenset) -> None:
-    ctx.extra["sac.forward_counts"] = count(gm, attention)
+    ctx.put_state(count(gm, attention))
 
 
 def audit_backward(gm: fx.GraphModule, ctx: CompileContext, attention: frozenset) -> None:
     bwd = count(gm, attention)
     ctx.report.sac["attention forwards in backward"] = bwd.attention_calls
-    fwd: GraphCounts | None = ctx.extra.get("sac.forward_counts")
+    fwd = ctx.get_state(GraphCounts)
     if fwd is None:
         return
     recomputed_flops = max(0.0, bwd.matmul_flops - 2 * fwd.matmul_flops)

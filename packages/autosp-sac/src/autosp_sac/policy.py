@@ -28,7 +28,7 @@ def _is_output_of(node: fx.Node, producers: set[fx.Node]) -> bool:
 
 
 def tag(gm: fx.GraphModule, ctx: CompileContext) -> None:
-    info = analyse(gm, attention_ops(ctx), ctx.extra.get("num_fwd_outputs"))
+    info = analyse(gm, attention_ops(ctx), ctx.num_fwd_outputs)
     costs = estimate(info)
     overhead = costs.overhead(ctx.hardware)
     sac = ctx.options.sac

@@ -29,6 +29,15 @@ def _concrete(n: int | torch.SymInt) -> int | torch.SymInt:
     return n
 
 
+def _number(n: int | torch.SymInt) -> int:
+    """The value of a size in this call, for messages (no guard is added)."""
+    if isinstance(n, torch.SymInt):
+        from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+        return optimization_hint(n, fallback=-1)
+    return n
+
+
 def find_attention(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
     if not ctx.sp:
         # Only for the report: one rank changes nothing, so odd attention shapes are fine.
@@ -51,17 +60,18 @@ def find_attention(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
     # With a symbolic length these comparisons become guards: a length that breaks them recompiles.
     if any(n != seq for n in lengths):
         raise AutoSPError(
-            f"attention sites disagree on the sequence length ({sorted({str(n) for n in lengths})}); "
+            f"attention sites disagree on the sequence length ({sorted({_number(n) for n in lengths})}); "
             "AutoSP shards self-attention over one sequence; cross-attention with another length is not supported"
         )
     if seq % ctx.world:
+        # A symbolic length prints as its symbol (s70): say this call's length, which the user knows.
         raise AutoSPError(
-            f"sequence length {seq} is not divisible by sp_size={ctx.world}; pad the batch to a multiple of "
-            f"{ctx.world} tokens (mask or ignore the padding in the loss)"
+            f"sequence length {_number(seq)} is not divisible by sp_size={ctx.world}; pad the batch to a multiple "
+            f"of {ctx.world} tokens (mask or ignore the padding in the loss)"
         )
     for site in ctx.sites:
         ctx.variant.check(site, ctx.world)
-    ctx.extra["seq_len"] = seq
+    ctx.seq_len = seq
     for name, x, param in zip(ctx.input_names, ctx.fake_inputs, ctx.is_param):
         if isinstance(x, torch.Tensor) and not param:
             dim = guess_seq_dim(x.shape, seq)
@@ -78,15 +88,19 @@ def lower(gm: torch.fx.GraphModule, ctx: CompileContext) -> torch.fx.GraphModule
 
 
 def shard(gm: torch.fx.GraphModule, ctx: CompileContext) -> torch.fx.GraphModule:
+    if ctx.variant.prepare is not None:
+        ctx.variant_state = ctx.variant.prepare(ctx)
     sp = SPContext(
         rank=ctx.rank,
         world=ctx.world,
         group_name=ctx.group_name,
-        seq_len=ctx.extra["seq_len"],
+        seq_len=ctx.seq_len,
         attention_rule=ctx.variant.attention_rule,
         sites={s.name: s for s in ctx.sites},
         variant_options=dict(ctx.options.variant_options),
         layout_fn=ctx.variant.layout,
+        rules=ctx.registry.sharding_rules,
+        variant_state=ctx.variant_state,
     )
     try:
         out = shard_graph(gm, sp, ctx.fake_inputs, ctx.is_param, ctx.fake_mode)

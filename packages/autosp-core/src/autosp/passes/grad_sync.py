@@ -75,7 +75,9 @@ def _call(graph: fx.Graph, target: Any, args: tuple, fake_mode: Any) -> fx.Node:
 
 
 def sync_grads(gm: fx.GraphModule, ctx: CompileContext) -> None:
-    num_fwd = ctx.extra["num_fwd_outputs"]
+    num_fwd = ctx.num_fwd_outputs
+    if num_fwd is None:
+        raise AutoSPError("autosp.sync_grads ran before the partitioner said which outputs are the forward's")
     out = gm.graph.output_node()
     flat = list(out.args[0])
     grads = [(i, g) for i, g in enumerate(flat) if i >= num_fwd and isinstance(g, fx.Node)]

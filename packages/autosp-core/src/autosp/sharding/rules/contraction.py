@@ -35,10 +35,10 @@ def matmul_rule(ctx, node, args, kwargs):
         if sum(partial) == 1 and isinstance(other.placement, Replicate) and bias is None and not extra:
             # A matmul is linear in each operand: a partial sum times a whole value stays partial.
             return SPValue(node.target(a.local, b.local), Partial(), node.meta["val"])
-    # Anything else needs whole operands (a bias would be added once per rank).
-    a, b = to_replicate(ctx, a), to_replicate(ctx, b)
+    # Anything else needs whole values for the partial operands (a bias would be added once per rank).
+    a, b = _whole(ctx, a), _whole(ctx, b)
     if bias is not None:
-        bias = to_replicate(ctx, bias)
+        bias = _whole(ctx, bias)
     args = (bias, a, b, *extra) if has_bias else (a, b, *extra)
     a, b = _trigger(ctx, a, _mm_labels(a.ndim, "a")), _trigger(ctx, b, _mm_labels(b.ndim, "b"))
     pa, pb = a.placement, b.placement
@@ -69,7 +69,7 @@ def matmul_rule(ctx, node, args, kwargs):
     out_dim = out_labels.index(shard_label)
     placement = Shard(lead.axis.at(out_dim), lead.ranges)
     if bias is not None:
-        bias_local = bias.local
+        bias_local = bias.local if isinstance(bias.placement, Replicate) else gather(ctx, bias)
         out_ndim = len(out_labels)
         d = out_dim - (out_ndim - bias.ndim)
         if d >= 0 and bias.gval.shape[d] != 1:
@@ -78,6 +78,11 @@ def matmul_rule(ctx, node, args, kwargs):
     else:
         out = node.target(la_local, lb_local, *extra, **kwargs)
     return SPValue(out, placement, node.meta["val"])
+
+
+def _whole(ctx: SPContext, v: SPValue) -> SPValue:
+    """A partial sum all-reduced; other placements as they are."""
+    return to_replicate(ctx, v) if isinstance(v.placement, Partial) else v
 
 
 def _trigger(ctx: SPContext, v: SPValue, labels: list[str] | None = None) -> SPValue:
