@@ -178,6 +178,40 @@ def test_duplicate_registration_is_an_error(fresh_registry):
         build_registry(extra_plugins=(Clash(),))
 
 
+def test_core_rules_come_through_the_hook(fresh_registry):
+    from autosp.sharding.rules import RULES
+
+    rules = get_registry().sharding_rules
+    assert rules.keys() == RULES.keys()
+    assert rules[torch.ops.aten.mm.default] is RULES[torch.ops.aten.mm.default]
+
+
+def test_plugin_sharding_rule_is_used_with_its_contract(fresh_registry):
+    from autosp.sharding import Partial, accepted
+
+    def my_rule(ctx, node, args, kwargs):
+        raise AssertionError("not called here")
+
+    class Rules:
+        @hookimpl
+        def autosp_register_sharding_rules(self, register):
+            register(torch.ops.aten.cumsum.default, my_rule, accepts=(Partial,))
+
+    reg = build_registry(extra_plugins=(Rules(),))
+    assert reg.sharding_rules[torch.ops.aten.cumsum.default] is my_rule
+    assert accepted(my_rule) == {Partial}
+
+
+def test_replacing_a_core_rule_is_an_error(fresh_registry):
+    class Clash:
+        @hookimpl
+        def autosp_register_sharding_rules(self, register):
+            register(torch.ops.aten.mm.default, lambda *a: None)
+
+    with pytest.raises(ConfigError, match=r"two plugins register a sharding rule for aten.mm.default.*core's own"):
+        build_registry(extra_plugins=(Clash(),))
+
+
 # --- a third-party plugin, installed for real --------------------------------------------------------
 
 
