@@ -8,13 +8,14 @@
 
 from autosp.analysis.attention import AttentionSite, AttentionSpec
 from autosp.api import AutoSPBackend, backend, compile, explain
-from autosp.errors import AutoSPError, ConfigError
+from autosp.errors import AutoSPError, ConfigError, VerificationError
 from autosp.hardware import HardwareProfile
 from autosp.hookspecs import hookimpl
 from autosp.options import SPOptions
 from autosp.passes.manager import Pass, Stage
 from autosp.report import Report
 from autosp.variants import SPVariant
+from autosp.verify import VerifyReport, verify
 
 __version__ = "0.1.0"
 
@@ -30,8 +31,11 @@ __all__ = [
     "SPOptions",
     "SPVariant",
     "Stage",
+    "VerificationError",
+    "VerifyReport",
     "backend",
     "compile",
     "explain",
     "hookimpl",
+    "verify",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -10,6 +11,8 @@ import torch
 from autosp.options import SPOptions, resolve_group
 from autosp.registry import get_registry
 from autosp.report import Report
+
+VERIFY_ENV = "AUTOSP_VERIFY"  # "1": the first call of an autosp.compile'd module verifies it first
 
 
 class AutoSPBackend:
@@ -81,7 +84,8 @@ def compile(  # noqa: A001 - mirrors torch.compile
     Every rank of the SP group calls the result with the same full-length inputs
     and gets what ``model`` returns on one device; after ``.backward()`` every
     parameter's ``.grad`` equals the single-device gradient on every rank.
-    The AutoSP reports are on ``compiled.autosp_reports``.
+    The AutoSP reports are on ``compiled.autosp_reports``. With ``AUTOSP_VERIFY=1`` the first
+    call first runs ``autosp.verify`` on its inputs (an SP and a single-device step more; the compile is shared).
     """
     be = globals()["backend"](
         sp_size=sp_size, variant=variant, sac=sac, group=group, backend=backend,
@@ -95,6 +99,10 @@ def compile(  # noqa: A001 - mirrors torch.compile
         compiled.autosp_reports = be.reports
     except AttributeError:
         pass
+    if os.environ.get(VERIFY_ENV, "0") not in ("", "0"):
+        from autosp.verify import verify_on_first_call
+
+        verify_on_first_call(compiled, model, be, torch_compile_kwargs)
     return compiled
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch._dynamo.exc import ShortenTraceback
 
 
@@ -20,4 +22,21 @@ class ConfigError(AutoSPError, ValueError):
     """Options that do not fit the process group or the installed packages."""
 
 
-__all__ = ["AutoSPError", "ConfigError"]
+class VerificationError(AutoSPError):
+    """``autosp.verify`` found the SP program differs from the single-device program.
+
+    ``report`` is the ``VerifyReport`` (every output and gradient error, the worst parameter).
+    """
+
+    def __init__(self, report: Any) -> None:
+        super().__init__(
+            f"{report}\nThe sequence-parallel program does not compute what the model computes on one device: "
+            "do not train with it (if the model draws random numbers, verify with them switched off)."
+        )
+        self.report = report
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.report,)
+
+
+__all__ = ["AutoSPError", "ConfigError", "VerificationError"]
