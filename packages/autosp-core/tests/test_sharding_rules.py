@@ -183,6 +183,10 @@ case(aten.masked_fill.Scalar, "mask-replicated-seq", args(x3, lambda g: mask(g, 
 case(aten.masked_fill.Scalar, "partial", args(lambda g: randn(g, B, D), lambda g: mask(g, B, D), 0.0), Partial(), R)
 case(aten.masked_fill.Tensor, "value-partial", args(x3, lambda g: mask(g, B, S, D), lambda g: randn(g)),
      shard(1), R, Partial())
+# A causal mask [S,S] (built from arange, replicated) applied to scores sharded on their rows.
+case(aten.where.ScalarOther, "causal-mask-on-score-rows",
+     args(lambda g: torch.ones(S, S, dtype=torch.bool).tril(), lambda g: randn(g, B, S, S), float("-inf")),
+     rs(0), shard(1, "zigzag"), expect=(Shard,))
 case(aten.where.self, "partial-branches", args(lambda g: mask(g, B, D), lambda g: randn(g, B, D), lambda g: randn(g, B, D)),
      R, Partial(), Partial())
 case(aten.where.self, "layouts-differ", args(lambda g: mask(g, B, S, 1), x3, x3), shard(1, "even"), shard(1, "zigzag"),
@@ -195,6 +199,7 @@ case(aten._to_copy.default, "partial-float32", args(lambda g: randn(g, B, D), dt
      atol=1e-5, rtol=1e-5)
 # A cast to an integer type is not linear: summands must not be truncated one by one.
 case(aten._to_copy.default, "partial-to-int64", args(lambda g: 3 * randn(g, B, D), dtype=torch.int64), Partial())
+case(aten._to_copy.default, "partial-int-to-float", args(lambda g: ints(g, S, B, D), dtype=F64), Partial())
 case(aten._to_copy.default, "partial-to-bool", args(lambda g: mask(g, B, D).double(), dtype=torch.bool), Partial())
 case(aten.clone.default, "partial", args(lambda g: randn(g, B, D)), Partial())
 case(aten.clone.default, "replicated-seq", args(x3), rs(1))
@@ -255,6 +260,8 @@ case(aten.sum.dim_IntList, "over-seq-dtype", args(x3, [-2], dtype=torch.float32)
 case(aten.sum.dim_IntList, "over-folded-[B*S,D]", args(lambda g: randn(g, B * S, D), [0]), shard(0, "zigzag", length=S))
 case(aten.sum.dim_IntList, "over-folded-inner-[B,S*2,2]", args(lambda g: randn(g, B, S * 2, 2), [1]),
      shard(1, "uneven", inner=2))
+case(aten.sum.dim_IntList, "count-bool-over-seq", args(lambda g: mask(g, B, S), [1]), shard(1, "zigzag"))
+case(aten.sum.dim_IntList, "partial-int", args(lambda g: ints(g, 9, B, 3), [1]), Partial())
 case(aten.sum.dim_IntList, "partial", args(lambda g: randn(g, B, 3, D), [1]), Partial())
 case(aten.sum.dim_IntList, "replicated-seq", args(x3, [1]), rs(1))
 case(aten.sum.dim_IntList, "head-sharded", args(lambda g: randn(g, B, 4, S), [1]), head_shard(1))
@@ -339,6 +346,9 @@ case(aten.slice.Tensor, "partial-on-seq", args(x3, 1, 2, 9), Partial())
 case(aten.slice.Tensor, "replicated-seq", args(x3, 1, 0, -1), rs(1))
 case(aten.slice.Tensor, "folded-[B*S,D]", args(lambda g: randn(g, B * S, D), 0, 1, END), shard(0, "even", length=S))
 case(aten.slice.Tensor, "head-sharded", args(lambda g: randn(g, B, 4, S, 2), 2, 0, 5), head_shard(1))
+# Integer and bool values: the zeros of the ranks that do not hold the position must have the value's dtype.
+case(aten.select.int, "bool-first-token", args(lambda g: mask(g, B, S), 1, 0), shard(1, "uneven"))
+case(aten.select.int, "ids-last-token", args(lambda g: ints(g, V, B, S), 1, -1), shard(1, "zigzag"))
 case(aten.select.int, "along-D", args(x3, 2, 1), shard(1, "zigzag"), expect=(Shard,))
 case(aten.select.int, "batch", args(x3, 0, 1), shard(1, "uneven"), expect=(Shard,))
 case(aten.select.int, "replicated-seq", args(x3, 1, -1), rs(1))
@@ -430,6 +440,10 @@ case(aten.add.Tensor, "partial+scalar", args(lambda g: randn(g, B, D), 1.5), Par
 case(aten.add.Tensor, "partial+partial-alpha", args(lambda g: randn(g, B, D), lambda g: randn(g, B, D), alpha=2),
      Partial(), Partial())
 case(aten.add.Tensor, "partial+shard", args(lambda g: randn(g, B, S, D), x3), Partial(), shard(1, "zigzag"))
+# A partial count of tokens (int), as in "index of the last real token = mask.sum(1) - 1".
+case(aten.sub.Tensor, "partial-int-minus-1", args(lambda g: ints(g, S, B), 1), Partial())
+case(aten.div.Tensor, "partial/partial-int-count", args(lambda g: randn(g, B, D), lambda g: ints(g, S, B, 1) + 1),
+     Partial(), Partial())
 case(aten.sub.Tensor, "partial-partial", args(lambda g: randn(g, B, D), lambda g: randn(g, B, D)), Partial(), Partial())
 case(aten.sub.Tensor, "partial-scalar", args(lambda g: randn(g, B, D), 2.0), Partial())
 case(aten.mul.Tensor, "partial*replicated", args(lambda g: randn(g, B, D), lambda g: randn(g, B, D)), Partial(), R)
@@ -447,8 +461,15 @@ case(aten.lt.Tensor, "shard<replicated", args(x3, lambda g: randn(g, D)), shard(
 
 # --- position-dependent and sequence-reducing ops without a rule of their own (whatever handles them) ------
 
-for lay in ("even", "zigzag"):
+for lay in ALL_LAYOUTS:
     case(aten.cumsum.default, f"over-seq-{lay}", args(x3, 1), shard(1, lay))
+    # Position ids from a padding mask: attention_mask.cumsum(-1).
+    case(aten.cumsum.default, f"int-mask-positions-{lay}", args(lambda g: mask(g, B, S).long(), -1), shard(1, lay))
+case(aten.cumsum.default, "bool-over-seq", args(lambda g: mask(g, B, S), 1), shard(1, "zigzag"))
+case(aten.cumsum.default, "dtype-over-seq", args(x3, 1, dtype=torch.float32), shard(1, "uneven"), atol=1e-5, rtol=1e-5)
+case(aten.cumsum.default, "folded-[B*S,D]", args(lambda g: randn(g, B * S, D), 0), shard(0, "zigzag", length=S))
+case(aten.cumsum.default, "replicated-seq", args(x3, 1), rs(1))
+for lay in ("even", "zigzag"):
     case(aten.amax.default, f"over-seq-{lay}", args(x3, [1]), shard(1, lay))
     case(aten.max.dim, f"over-seq-{lay}", args(x3, 1), shard(1, lay))
     case(aten.logsumexp.default, f"over-seq-{lay}", args(x3, [1]), shard(1, lay))

@@ -9,7 +9,8 @@ plugin authors.  For one op it
    collectives of ``autosp.sharding.collectives`` run, forward and backward -- gives every
    tensor input its piece for its placement (``Replicate``: the whole value; ``Shard``: this
    rank's intervals, by ``slice_to``; ``HeadShard``: this rank's block of the head dim;
-   ``Partial``: a random summand ``c_r * x + n_r`` with ``sum c_r = 1``, ``sum n_r = 0``),
+   ``Partial``: a random summand ``c_r * x + n_r`` with ``sum c_r = 1``, ``sum n_r = 0``;
+   whole numbers for an integer value),
    traces ``evaluate`` and ``finish`` under ``make_fx`` on fake tensors as ``autosp.shard``
    does, and runs the trace on the pieces;
 4. checks every rank's whole outputs against the reference, and the gradients of

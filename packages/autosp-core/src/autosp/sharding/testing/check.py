@@ -18,7 +18,7 @@ from autosp.sharding.testing.invariants import placement_problem
 from autosp.sharding.testing.layouts import LayoutFn, PlacementSpec, layout_fn, resolve
 from autosp.sharding.testing.threads import SimulationError, collectives_issued, simulate
 
-Summand = tuple[float, torch.Tensor]  # rank r's summand of a Partial input x is c_r * x + n_r
+Summand = tuple[float | int, torch.Tensor]  # rank r's summand of a Partial input x is c_r * x + n_r
 
 
 class RuleMismatch(AssertionError):
@@ -96,12 +96,23 @@ def _grads(loss: torch.Tensor | None, leaves: Sequence[torch.Tensor]) -> list[to
 
 
 def _summands(x: torch.Tensor, world: int, gen: torch.Generator) -> list[Summand]:
-    """Random ``(c_r, n_r)`` with ``sum c_r = 1`` and ``sum n_r = 0``: a wrong share of a gradient shows."""
-    c = 0.5 + torch.rand(world, generator=gen, dtype=torch.float64)
-    c = (c / c.sum()).tolist()
-    n = torch.randn((world, *x.shape), generator=gen, dtype=torch.float64).to(x.dtype)
-    n = n - n.mean(0)
-    return [(c[r], n[r]) for r in range(world)]
+    """Random ``(c_r, n_r)`` with ``sum c_r = 1`` and ``sum n_r = 0``: a wrong share of a gradient shows.
+
+    Both are multiples of a power of two, so summands of a value with few significant bits (a
+    0/1 mask, a count) add up exactly: a test of ``(partial != 0)`` sees no rounding residue.
+    An integer value gets whole-number summands (rank 0 holds it, plus noise).
+    """
+    if not x.is_floating_point():
+        n = torch.randint(-3, 4, (world, *x.shape), generator=gen, dtype=x.dtype)
+        n[0] -= n.sum(0)
+        return [(int(r == 0), n[r]) for r in range(world)]
+    unit = 1 << (4 * world).bit_length()
+    k = torch.randint(1, 5, (world,), generator=gen)
+    k[-1] = unit - k[:-1].sum()
+    n = torch.randint(-8, 9, (world, *x.shape), generator=gen, dtype=torch.float64)
+    n[-1] -= n.sum(0)
+    n = (n / 8).to(x.dtype)
+    return [(float(k[r]) / unit, n[r]) for r in range(world)]
 
 
 def _local_piece(ctx: SPContext, x: torch.Tensor, p: Placement, summand: Summand | None) -> torch.Tensor:
@@ -256,8 +267,8 @@ def check_op(
     if len(grad_of) != len(tensors) or any(g and not x.is_floating_point() for g, x in zip(grad_of, tensors)):
         raise ValueError("requires_grad takes one flag per tensor input, True only for floating ones")
     chosen = [resolve(s, x, world) for s, x in zip(placements, tensors)]
-    if any(isinstance(p, Partial) and not x.is_floating_point() for p, x in zip(chosen, tensors)):
-        raise ValueError("a Partial input must be floating point: its summands are random")
+    if any(isinstance(p, Partial) and x.dtype == torch.bool for p, x in zip(chosen, tensors)):
+        raise ValueError("a bool value cannot be Partial (a sum)")
     if seq_len is None:
         seq_len = next((p.axis.length for p in chosen if isinstance(p, (Shard, Replicate)) and p.axis), 1)
     where = f"{op} on {world} ranks, inputs " + ", ".join(f"{list(x.shape)}:{p}" for x, p in zip(tensors, chosen))
