@@ -51,6 +51,9 @@ def matmul_rule(ctx, node, args, kwargs):
     elif isinstance(pb, Shard):
         shard_label, lead = lb[pb.axis.dim], pb
     if lead is None:
+        if bias is not None and not isinstance(bias.placement, Replicate):
+            bias = to_replicate(ctx, bias, f"{node.name}: sharded bias with whole operands")
+            args = (bias, a, b, *extra)
         return replicated(ctx, node, args, kwargs, _mm_axis(pa, pb, la, lb, out_labels))
     if shard_label == "k":
         if not (isinstance(pa, Shard) and isinstance(pb, Shard) and pa.same_layout(pb) and bias is None):

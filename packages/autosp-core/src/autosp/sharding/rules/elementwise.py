@@ -32,12 +32,21 @@ _LINEAR = {
 }
 
 
+def _float_to_float(args: tuple, kwargs: dict) -> bool:
+    source = args[0].gval.dtype
+    target = kwargs.get("dtype") or source
+    return source.is_floating_point and target.is_floating_point
+
+
 def _partial_ok(op: Any, args: tuple, kwargs: dict) -> bool:
     kind = _LINEAR.get(op)
     if kind is None or kwargs.get("alpha", 1) != 1:
         return False
     if kind == "all" and any(isinstance(a, (int, float, bool)) for a in args[1:]):
         # ``partial + 1`` would add the constant once per rank.
+        return False
+    if op is aten._to_copy.default and not _float_to_float(args, kwargs):
+        # Rounding each summand to an integer (or bool) is not rounding their sum.
         return False
     tensors = values(args)
     partial = [isinstance(v.placement, Partial) for v in tensors]

@@ -116,6 +116,9 @@ def slice_rule(ctx, node, args, kwargs):
         return _same_placement(ctx, node, args, kwargs)
     size = v.gval.shape[dim]
     start, end = _clamp_range(start, end, size)
+    if end - start == 0:
+        # Nothing of the sequence is left: an empty value, the same on every rank.
+        return SPValue(v.local.narrow(dim, 0, 0), Replicate(), node.meta["val"])
     axis = p.axis
     if axis.inner != 1 or axis.outer(size) != 1 or step != 1:
         if isinstance(p, Replicate):
@@ -142,7 +145,8 @@ def _clamp_range(start: Any, end: Any, size: int) -> tuple[int, int]:
     end = size if end is None else end
     start = start + size if start < 0 else start
     end = end + size if end < 0 else end
-    return min(max(start, 0), size), min(max(end, 0), size)
+    start, end = min(max(start, 0), size), min(max(end, 0), size)
+    return start, max(start, end)
 
 
 def _same_placement(ctx, node, args, kwargs):
@@ -187,7 +191,10 @@ def select_rule(ctx, node, args, kwargs):
 def _split_like(ctx, node, args, kwargs):
     v = args[0]
     dim = normalize_dim(args[2] if len(args) > 2 else kwargs.get("dim", 0), v.ndim)
-    if seq_dim(v.placement) == dim and not isinstance(v.placement, Replicate):
+    if seq_dim(v.placement) == dim:
+        if isinstance(v.placement, Replicate):
+            # The pieces hold parts of the sequence, not the sequence: no axis to claim.
+            return replicated(ctx, node, args, kwargs)
         return fallback(ctx, node, args, kwargs)
     return _same_placement(ctx, node, args, kwargs)
 
@@ -202,7 +209,9 @@ def unbind_rule(ctx, node, args, kwargs):
     dim = normalize_dim(args[1] if len(args) > 1 else 0, v.ndim)
     p = v.placement
     seq = seq_dim(p)
-    if seq == dim and not isinstance(p, Replicate):
+    if seq == dim:
+        if isinstance(p, Replicate):
+            return replicated(ctx, node, args, kwargs)
         return fallback(ctx, node, args, kwargs)
     if isinstance(p, (Shard, Replicate)) and seq is not None:
         axis = p.axis.at(seq - 1 if seq > dim else seq)
