@@ -105,7 +105,8 @@ for lay in SEQ_LAYOUTS:
     case(aten.bmm.default, f"tokens@W-{lay}", args(x3, lambda g: randn(g, B, D, 3)), shard(1, lay), R, expect=(Shard,))
     case(aten.bmm.default, f"q@k^T-{lay}", args(x3, lambda g: randn(g, B, D, S)), shard(1, lay), shard(2, lay),
          expect=(Shard,))
-    case(aten.bmm.default, f"p^T@v-contract-seq-{lay}", args(lambda g: randn(g, B, D, S), x3), shard(2, lay), shard(1, lay))
+    case(aten.bmm.default, f"p^T@v-contract-seq-{lay}", args(lambda g: randn(g, B, D, S), x3),
+         shard(2, lay), shard(1, lay))
     case(aten.addmm.default, f"bias+tokens@W-{lay}", args(lambda g: randn(g, 3), lambda g: randn(g, B * S, D), W),
          R, shard(0, lay, length=S), R, expect=(Shard,))
     case(aten.addmm.default, f"bias[S,3]+tokens@W-{lay}", args(lambda g: randn(g, S, 3), lambda g: randn(g, S, D), W),
@@ -142,13 +143,14 @@ case(aten.addmm.default, "partial-bias+tokens@W", args(lambda g: randn(g, 3), la
      Partial(), shard(0), R)
 case(aten.addmm.default, "bias[S,3]-shard+replicated", args(lambda g: randn(g, S, 3), lambda g: randn(g, S, D), W),
      shard(0), R, R)
-case(aten.addmm.default, "beta-alpha-partial", args(lambda g: randn(g, 3), lambda g: randn(g, B, D), W, beta=0.5, alpha=2.0),
-     R, Partial(), R)
+case(aten.addmm.default, "beta-alpha-partial",
+     args(lambda g: randn(g, 3), lambda g: randn(g, B, D), W, beta=0.5, alpha=2.0), R, Partial(), R)
 case(aten.baddbmm.default, "bias+partial@W", args(lambda g: randn(g, 3), lambda g: randn(g, B, 2, D),
                                                   lambda g: randn(g, B, D, 3)), R, Partial(), R)
 case(aten.baddbmm.default, "beta-alpha-shard", args(lambda g: randn(g, B, S, 3), x3, lambda g: randn(g, B, D, 3),
                                                     beta=0.5, alpha=2.0), shard(1, "zigzag"), shard(1, "zigzag"), R)
-case(aten.embedding.default, "partial-table", args(lambda g: randn(g, V, D), lambda g: ints(g, V, B, S)), Partial(), rs(1))
+case(aten.embedding.default, "partial-table", args(lambda g: randn(g, V, D), lambda g: ints(g, V, B, S)),
+     Partial(), rs(1))
 case(aten.embedding.default, "padding-idx", args(lambda g: randn(g, V, D), lambda g: ints(g, V, B, S), 0),
      R, shard(1, "uneven"))
 case(aten.embedding.default, "replicated", args(lambda g: randn(g, V, D), lambda g: ints(g, V, B, 3)), R, R)
@@ -187,8 +189,8 @@ case(aten.masked_fill.Tensor, "value-partial", args(x3, lambda g: mask(g, B, S, 
 case(aten.where.ScalarOther, "causal-mask-on-score-rows",
      args(lambda g: torch.ones(S, S, dtype=torch.bool).tril(), lambda g: randn(g, B, S, S), float("-inf")),
      rs(0), shard(1, "zigzag"), expect=(Shard,))
-case(aten.where.self, "partial-branches", args(lambda g: mask(g, B, D), lambda g: randn(g, B, D), lambda g: randn(g, B, D)),
-     R, Partial(), Partial())
+case(aten.where.self, "partial-branches",
+     args(lambda g: mask(g, B, D), lambda g: randn(g, B, D), lambda g: randn(g, B, D)), R, Partial(), Partial())
 case(aten.where.self, "layouts-differ", args(lambda g: mask(g, B, S, 1), x3, x3), shard(1, "even"), shard(1, "zigzag"),
      shard(1, "uneven"))
 case(aten.where.ScalarSelf, "shard", args(lambda g: mask(g, B, S, D), 0.5, x3), shard(1, "zigzag"), shard(1, "zigzag"))
@@ -534,3 +536,60 @@ def test_a_wrong_gradient_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     g = torch.Generator().manual_seed(0)
     with pytest.raises(RuleMismatch, match="gradient of input 0"):
         check_op(aten.sum.default, (x3(g),), placements=[shard(1)], world=2)
+
+
+# --- the simulator itself ---------------------------------------------------------------------------------
+
+
+def test_simulated_ranks_exchange_data_and_gradients() -> None:
+    from autosp.sharding import collectives as C
+    from autosp.sharding.testing import simulate
+
+    x = torch.arange(2 * 8 * 6, dtype=F64).reshape(2, 8, 6)
+
+    def rank_fn(rank: int, group: str) -> tuple[bool, bool]:
+        local = x[:, rank * 4:(rank + 1) * 4].clone().requires_grad_()
+        heads = C.all_to_all(local, 2, 1, group)  # sequence-sharded -> head-sharded
+        heads.sum().backward()
+        return torch.equal(heads, x[:, :, rank * 3:(rank + 1) * 3]), bool(local.grad.eq(1).all())
+
+    assert simulate(rank_fn, 2) == [(True, True), (True, True)]
+
+
+def test_a_failing_rank_is_named() -> None:
+    from autosp.sharding import collectives as C
+    from autosp.sharding.testing import SimulationError, simulate
+
+    def rank_fn(rank: int, group: str) -> None:
+        if rank == 1:
+            raise ValueError("boom")
+        C.all_reduce(torch.ones(2), group, False)  # rank 0 waits here until rank 1's failure wakes it
+
+    with pytest.raises(SimulationError, match="rank 1 of 2 raised ValueError: boom"):
+        simulate(rank_fn, 2, timeout=60)
+
+
+def test_ranks_that_disagree_on_collectives_are_reported() -> None:
+    from autosp.sharding import collectives as C
+    from autosp.sharding.testing import SimulationError, simulate
+
+    def rank_fn(rank: int, group: str) -> None:
+        if rank == 0:
+            C.all_reduce(torch.ones(2), group, False)  # the other rank never joins
+
+    with pytest.raises(SimulationError, match="did not finish"):
+        simulate(rank_fn, 2, timeout=2)
+
+
+def test_ranks_that_issue_different_collectives_are_reported() -> None:
+    from autosp.sharding import collectives as C
+    from autosp.sharding.testing import SimulationError, simulate
+
+    def rank_fn(rank: int, group: str) -> None:
+        if rank == 0:
+            C.all_reduce(torch.ones(4), group, False)
+        else:
+            C.all_gather(torch.ones(2), 0, [2, 2], group, False)
+
+    with pytest.raises(SimulationError, match="all_reduce.*\n.*all_gather"):
+        simulate(rank_fn, 2, timeout=10)

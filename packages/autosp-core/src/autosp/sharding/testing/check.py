@@ -91,7 +91,9 @@ def _loss(outputs: Sequence[Any], weights: Sequence[torch.Tensor | None]) -> tor
 
 def _grads(loss: torch.Tensor | None, leaves: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
     wanted = [x for x in leaves if x.requires_grad]
-    got = iter(torch.autograd.grad(loss, wanted, allow_unused=True) if loss is not None and wanted else [None] * len(wanted))
+    if loss is None or not wanted:
+        return [None] * len(leaves)
+    got = iter(torch.autograd.grad(loss, wanted, allow_unused=True))
     return [next(got) if x.requires_grad else None for x in leaves]
 
 
@@ -181,7 +183,8 @@ class _Plan:
         node, gvals = _one_node_graph(self.op, self.call, fake_mode)
         mine = [_leaf(x, g) for x, g in zip(self.call.tensors, self.grad_of)]
         pieces = [
-            _local_piece(ctx, x, p, None if s is None else s[rank]) for x, p, s in zip(mine, self.placements, self.summands)
+            _local_piece(ctx, x, p, None if s is None else s[rank])
+            for x, p, s in zip(mine, self.placements, self.summands)
         ]
         seen: dict[str, Any] = {}
 
@@ -191,9 +194,8 @@ class _Plan:
             values = [v for v in flat if isinstance(v, SPValue)]
             seen["placements"] = [str(v.placement) if isinstance(v, SPValue) else type(v).__name__ for v in flat]
             seen["kinds"] = [type(v.placement) if isinstance(v, SPValue) else None for v in flat]
-            seen["problems"] = [
-                f"output {i}: {why}" for i, v in enumerate(values) for why in [placement_problem(v, rank, self.world)] if why
-            ]
+            problems = [(i, placement_problem(v, rank, self.world)) for i, v in enumerate(values)]
+            seen["problems"] = [f"output {i}: {why}" for i, why in problems if why]
             done = [finish(ctx, v) for v in flat]
             seen["constants"] = {i: v for i, v in enumerate(done) if not isinstance(v, torch.Tensor)}
             return [v for v in done if isinstance(v, torch.Tensor)]
@@ -211,7 +213,8 @@ class _Plan:
         outputs = [constants[i] if i in constants else next(tensors) for i in range(len(seen["placements"]))]
         grads = _grads(_loss(outputs, self.weights) if len(outputs) == len(self.weights) else None, mine)
         return _RankRun(
-            outputs, grads, seen["placements"], seen["kinds"], seen["problems"], list(ctx.fallbacks), collectives_issued()
+            outputs, grads, seen["placements"], seen["kinds"], seen["problems"], list(ctx.fallbacks),
+            collectives_issued(),
         )
 
 
@@ -314,7 +317,10 @@ def _verify(
     check_values: bool, atol: float | None, rtol: float | None,
 ) -> None:
     first = runs[0]
-    problems = [f"rank {r}: {why}" for r, run in enumerate(runs) for why in run.problems if r == 0 or why not in first.problems]
+    # Rank 0's problems, and those of other ranks that rank 0 does not share.
+    problems = [
+        f"rank {r}: {why}" for r, run in enumerate(runs) for why in run.problems if r == 0 or why not in first.problems
+    ]
     if problems:
         raise RuleMismatch(f"{where}: outputs {first.placements} break their placement:\n" + "\n".join(problems))
     for r, run in enumerate(runs):

@@ -6,7 +6,9 @@ from collections.abc import Callable
 
 import torch
 
-from autosp.sharding.placement import HeadShard, Layout, Partial, Placement, Replicate, SeqAxis, Shard, even_ranges, zigzag_ranges
+from autosp.sharding.placement import (
+    HeadShard, Layout, Partial, Placement, Replicate, SeqAxis, Shard, even_ranges, zigzag_ranges,
+)
 
 LayoutFn = Callable[[int, int], Layout]
 # A placement, or how to build one from the whole input tensor and the world size; None is Replicate().
