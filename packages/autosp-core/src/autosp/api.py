@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch
 
+from autosp.guards import GraphRuns, GuardedCall, guard_compiled, guard_graph
+from autosp.input_check import InputCheck
 from autosp.options import SPOptions, resolve_group
 from autosp.registry import get_registry
 from autosp.report import Report
@@ -21,6 +24,10 @@ class AutoSPBackend:
     Options are checked, the variant looked up and the SP group resolved when the
     backend is made, so bad input fails before any graph runs.  ``reports`` holds
     one ``Report`` per compiled graph.
+
+    Used directly with ``torch.compile``, each compiled graph checks its inputs across the SP
+    ranks when it runs (``check_inputs``); ``autosp.compile`` checks once per call instead,
+    before Dynamo runs, and sets ``check_graphs`` to False.
     """
 
     def __init__(self, options: SPOptions) -> None:
@@ -29,11 +36,21 @@ class AutoSPBackend:
         self.group, self.world = resolve_group(options)
         self.registry.variant(options.variant)
         self.reports: list[Report] = []
+        self.runs = GraphRuns()
+        self.check_graphs = True
+        self.input_check = (
+            InputCheck(self.group, options.check_inputs) if self.world > 1 and options.check_inputs != "off" else None
+        )
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-        from autosp.compiler import compile_graph
+        from autosp.compiler import _is_param, compile_graph
 
-        return compile_graph(gm, example_inputs, self.options, self.registry, self.group, self.world, self.reports)
+        fn = compile_graph(gm, example_inputs, self.options, self.registry, self.group, self.world, self.reports)
+        if self.check_graphs and self.input_check is not None:
+            names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+            params = [_is_param(n, x) for n, x in zip(names, example_inputs)]
+            fn = guard_graph(fn, names, params, self.input_check, self.options.timeout_delta)
+        return self.runs.wrap(fn)
 
 
 def backend(
@@ -45,6 +62,8 @@ def backend(
     backend: str = "inductor",
     disable_passes: tuple[str, ...] = (),
     grad_bucket_mb: float = 25.0,
+    check_inputs: str | bool = "shapes",
+    timeout: float | timedelta | None = None,
     **variant_options: Any,
 ) -> AutoSPBackend:
     """A Dynamo backend for ``torch.compile(model, backend=autosp.backend(...))``.
@@ -57,11 +76,15 @@ def backend(
         backend: "inductor", "aot_eager" or "eager": the compiler after AutoSP.
         disable_passes: names of passes to skip.
         grad_bucket_mb: MiB per gradient all-reduce bucket (0: one collective per gradient).
+        check_inputs: "shapes" (default), "hash" or "off"/False: what the SP ranks compare
+            before each compiled graph runs (see ``SPOptions``).
+        timeout: seconds or ``timedelta`` for the SP group AutoSP creates (see ``SPOptions``).
         **variant_options: passed to the variant (for example ``ring_degree``).
     """
     options = SPOptions(
         sp_size=sp_size, variant=variant, sac=sac, group=group, backend=backend,
         disable_passes=tuple(disable_passes), grad_bucket_mb=grad_bucket_mb, variant_options=variant_options,
+        check_inputs=check_inputs, timeout=timeout,
     )
     return AutoSPBackend(options)
 
@@ -77,6 +100,8 @@ def compile(  # noqa: A001 - mirrors torch.compile
     disable_passes: tuple[str, ...] = (),
     grad_bucket_mb: float = 25.0,
     variant_options: dict[str, Any] | None = None,
+    check_inputs: str | bool = "shapes",
+    timeout: float | timedelta | None = None,
     **torch_compile_kwargs: Any,
 ) -> Callable[..., Any]:
     """Compile ``model`` into a sequence-parallel program.
@@ -86,15 +111,26 @@ def compile(  # noqa: A001 - mirrors torch.compile
     parameter's ``.grad`` equals the single-device gradient on every rank.
     The AutoSP reports are on ``compiled.autosp_reports``. With ``AUTOSP_VERIFY=1`` the first
     call first runs ``autosp.verify`` on its inputs (an SP and a single-device step more; the compile is shared).
+
+    With ``sp_size > 1`` each call first checks, in one small all-gather, that the SP ranks got
+    inputs of the same shapes, dtypes (and with ``check_inputs="hash"`` contents), and a call
+    that Dynamo would run without AutoSP (its recompile limit) raises ``AutoSPError`` instead of
+    running in eager. ``timeout`` bounds every collective of AutoSP (see ``SPOptions``).
     """
     be = globals()["backend"](
         sp_size=sp_size, variant=variant, sac=sac, group=group, backend=backend,
-        disable_passes=disable_passes, grad_bucket_mb=grad_bucket_mb, **(variant_options or {}),
+        disable_passes=disable_passes, grad_bucket_mb=grad_bucket_mb, check_inputs=check_inputs,
+        timeout=timeout, **(variant_options or {}),
     )
     if be.world > 1:
         # A new sequence length recompiles instead of turning the length symbolic (not supported yet).
         torch_compile_kwargs.setdefault("dynamic", False)
     compiled = torch.compile(model, backend=be, **torch_compile_kwargs)
+    if be.world > 1:
+        be.check_graphs = False  # checked once per call, before Dynamo, by the guarded call
+        call = GuardedCall(compiled.forward if isinstance(compiled, torch.nn.Module) else compiled, model,
+                           be.group, be.input_check, be.runs, be.options.timeout_delta)
+        compiled = guard_compiled(compiled, model, call)
     try:
         compiled.autosp_reports = be.reports
     except AttributeError:

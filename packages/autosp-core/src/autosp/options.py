@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, Literal
 
 import torch.distributed as dist
 
 from autosp.errors import ConfigError
+from autosp.input_check import CHECK_MODES, CheckMode
 
 Backend = Literal["inductor", "aot_eager", "eager"]
 BACKENDS = ("inductor", "aot_eager", "eager")
@@ -28,6 +30,12 @@ class SPOptions:
         grad_bucket_mb: gradients are all-reduced in buckets of at most this many MiB
             (0: one collective per gradient).
         variant_options: options the variant reads (for example ``ulysses_degree``).
+        check_inputs: what the SP ranks compare before each call: "shapes" (shapes, dtypes and
+            scalar values of every non-parameter input, one small all-gather), "hash" (also a
+            fingerprint of every input tensor's contents) or "off" (``False`` means "off").
+        timeout: seconds (or a ``timedelta``) after which a collective of AutoSP fails when
+            another SP rank does not take part; AutoSP creates its SP group with it. ``None``:
+            the process group's own timeout. Not with ``group=`` (give your group its timeout).
     """
 
     sp_size: int | None = None
@@ -38,8 +46,24 @@ class SPOptions:
     disable_passes: tuple[str, ...] = ()
     grad_bucket_mb: float = 25.0
     variant_options: dict[str, Any] = field(default_factory=dict)
+    check_inputs: CheckMode | bool = "shapes"
+    timeout: float | timedelta | None = None
 
     def __post_init__(self) -> None:
+        check = {False: "off", True: "shapes"}.get(self.check_inputs, self.check_inputs)  # type: ignore[call-overload]
+        if check not in CHECK_MODES:
+            raise ConfigError(f"check_inputs={self.check_inputs!r}; use 'shapes', 'hash' or 'off' (or False)")
+        object.__setattr__(self, "check_inputs", check)
+        if self.timeout is not None:
+            seconds = self.timeout.total_seconds() if isinstance(self.timeout, timedelta) else self.timeout
+            if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
+                raise ConfigError(f"timeout={self.timeout!r}; give seconds > 0 (or a timedelta), or None")
+            if self.group is not None:
+                raise ConfigError(
+                    "timeout= sets the timeout of the SP group AutoSP creates, and group= was given: a group's "
+                    "timeout is fixed when it is made, so create yours with it (dist.new_group(ranks, "
+                    "timeout=timedelta(seconds=...))) and leave timeout= unset"
+                )
         if self.backend not in BACKENDS:
             raise ConfigError(f"backend={self.backend!r} is not one of {BACKENDS}")
         if self.sac not in (True, False, "auto"):
@@ -48,6 +72,12 @@ class SPOptions:
             raise ConfigError(f"grad_bucket_mb={self.grad_bucket_mb!r}; it must be a number >= 0 (MiB)")
         if self.sp_size is not None and (not isinstance(self.sp_size, int) or self.sp_size < 1):
             raise ConfigError(f"sp_size={self.sp_size!r}; it must be a positive int or None")
+
+    @property
+    def timeout_delta(self) -> timedelta | None:
+        if self.timeout is None or isinstance(self.timeout, timedelta):
+            return self.timeout
+        return timedelta(seconds=self.timeout)
 
 
 def resolve_group(options: SPOptions) -> tuple[Any, int]:
@@ -71,12 +101,15 @@ def resolve_group(options: SPOptions) -> tuple[Any, int]:
             f"pick a divisor of {size} so every rank lands in exactly one SP group"
         )
     if sp == size:
+        if options.timeout is not None:
+            # The world itself is the user's; the SP group is a copy of it with AutoSP's timeout.
+            return dist.new_group(timeout=options.timeout_delta), sp
         return parent, sp
     if options.group is not None:
         raise ConfigError(
             f"sp_size={sp} is smaller than the given group ({size} ranks); pass the SP group itself as group="
         )
-    group, _ = dist.new_subgroups(group_size=sp)
+    group, _ = dist.new_subgroups(group_size=sp, timeout=options.timeout_delta)
     return group, sp
 
 

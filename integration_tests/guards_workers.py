@@ -1,0 +1,91 @@
+"""Workers for test_guards.py: faults injected into SP runs, each returning what every rank saw and how fast.
+
+Module-level functions, since spawned processes import them by name.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import autosp
+from cases import build
+
+
+def _ids(batch: int, seq: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 96, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def attempt(fn: Callable[[], Any]) -> dict[str, Any]:
+    """Run ``fn``; the exception's type and text (or "ok") and the seconds it took."""
+    start = time.perf_counter()
+    try:
+        out = fn()
+        result = {"error": None, "loss": float(out.detach()) if isinstance(out, torch.Tensor) else None}
+    except Exception as e:  # noqa: BLE001 - the test asserts on it
+        result = {"error": type(e).__name__, "autosp": isinstance(e, autosp.AutoSPError), "message": str(e)}
+    result["seconds"] = time.perf_counter() - start
+    return result
+
+
+def input_faults(rank: int, world: int) -> dict[str, Any]:
+    """Ranks fed different inputs, and more shapes than Dynamo's recompile limit."""
+    out: dict[str, Any] = {}
+
+    # More lengths than the recompile limit (lowered to 2 to keep the test short: same mechanism).
+    with torch._dynamo.config.patch(recompile_limit=2):
+        compiled = autosp.compile(build("llama"), backend="eager")
+        out["limit"] = [attempt(lambda s=s: compiled(_ids(2, s), _ids(2, s))) for s in (16, 32, 48)]
+    out["fail_flag_after"] = torch._dynamo.config.fail_on_recompile_limit_hit
+
+    compiled = autosp.compile(build("llama"), backend="eager")
+    ids = _ids(2, 64) if rank == 0 else _ids(1, 128)
+    out["shapes"] = attempt(lambda: compiled(ids, labels=ids))
+    ids = _ids(2, 64) if rank == 0 else _ids(2, 32)
+    out["lengths"] = attempt(lambda: compiled(ids, ids))
+    # After the errors the ranks are still in step: a good call runs and agrees.
+    out["same"] = attempt(lambda: compiled(_ids(2, 64), _ids(2, 64)))
+    # Different tokens, same shapes: the default check compares shapes only.
+    out["tokens_shapes_mode"] = attempt(lambda: compiled(_ids(2, 64, seed=rank), _ids(2, 64)))
+
+    hashed = autosp.compile(build("llama"), backend="eager", check_inputs="hash")
+    out["tokens_hash"] = attempt(lambda: hashed(_ids(2, 64, seed=rank), _ids(2, 64)))
+    out["same_hash"] = attempt(lambda: hashed(_ids(2, 64), _ids(2, 64)))
+
+    # autosp.backend used directly: the check runs inside the compiled graph.
+    direct = torch.compile(build("llama"), backend=autosp.backend(backend="eager"))
+    ids = _ids(2, 64) if rank == 0 else _ids(1, 128)
+    out["backend_shapes"] = attempt(lambda: direct(ids, ids))
+    return out
+
+
+def rank_raises(rank: int, world: int, timeout: float) -> dict[str, Any]:
+    """Rank 1 raises in its own code and stays alive; rank 0 must fail within ``timeout``.
+
+    Rank 1 then waits in a barrier of the world group (its own, longer timeout) until rank 0
+    has failed, so both move on to the next case together.
+    """
+    out: dict[str, Any] = {}
+    ids = _ids(2, 32)
+
+    def case(name: str, check_inputs: str, before_backward: bool) -> None:
+        compiled = autosp.compile(build("llama"), backend="eager", timeout=timeout, check_inputs=check_inputs)
+        compiled(ids, ids).backward()  # one good step
+        loss = compiled(ids, ids) if before_backward else None
+        if rank == 1:
+            try:
+                raise ValueError("a user-side error on rank 1 (data, logging, ...)")
+            except ValueError:
+                pass  # caught by the user's loop, which goes on to a barrier of its own
+        else:
+            out[name] = attempt(loss.backward if before_backward else lambda: compiled(ids, ids).backward())
+        dist.barrier()
+
+    case("check", "shapes", before_backward=False)
+    case("program", "off", before_backward=False)
+    case("backward", "shapes", before_backward=True)
+    return out

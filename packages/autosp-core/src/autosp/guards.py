@@ -1,0 +1,232 @@
+"""Guards around AutoSP's compiled calls, so an SP run fails loudly instead of silently or never.
+
+Three failures are caught here, on every rank of the SP group:
+
+* the ranks were called with different inputs (``input_check``), checked before any collective
+  of the SP program runs;
+* Dynamo would run the call without AutoSP: at its recompile limit it falls back to eager for
+  good (no sequence parallelism, the whole sequence's memory on every rank), and with
+  ``suppress_errors`` so does any compile error. Both become errors for AutoSP's own calls only;
+  a call that ran no AutoSP graph at all (``torch.compiler.set_stance("force_eager")``, a disabled
+  Dynamo) is an error after the fact;
+* a collective that fails because another rank is gone, raised or hangs (after the group's
+  timeout) is reported as such, naming the group's ranks.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._dynamo.exc import FailOnRecompileLimitHit
+
+from autosp.errors import AutoSPError
+from autosp.input_check import InputCheck, InputMismatchError, Leaf, flatten_inputs, signature_of, tensor_meta
+
+_COMM_FAILURES = ("Timed out", "timed out", "Connection closed by peer", "Connection reset by peer", "Broken pipe")
+_MAX_SEEN = 12
+
+
+class InputMismatch(AutoSPError):
+    """The SP ranks were called with different inputs (shapes, dtypes or, with ``check_inputs="hash"``, contents)."""
+
+
+class CollectiveFailure(AutoSPError):
+    """A collective of AutoSP did not complete: another SP rank raised, exited or hangs."""
+
+
+class EagerFallback(AutoSPError):
+    """Dynamo would run (or ran) the call without AutoSP, so without sequence parallelism."""
+
+
+def is_comm_failure(e: BaseException) -> bool:
+    """Whether ``e`` is a collective that failed for want of a peer (gloo raises a plain RuntimeError)."""
+    if isinstance(e, dist.DistError):
+        return True
+    return isinstance(e, RuntimeError) and any(s in str(e) for s in _COMM_FAILURES)
+
+
+def _timeout_text(timeout: timedelta | None) -> str:
+    if timeout is None:
+        return "the process group's timeout (set it with timeout= in autosp.compile, or when you create the group)"
+    return f"timeout={timeout.total_seconds():g} s"
+
+
+def comm_failure_message(where: str, group: Any, timeout: timedelta | None, e: BaseException) -> str:
+    ranks = dist.get_process_group_ranks(group)
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return (
+        f"global rank {dist.get_rank()}: {where} did not complete ({first}). Another rank of the SP group "
+        f"(global ranks {ranks}) did not take part within {_timeout_text(timeout)}: it raised an error, exited "
+        "or hangs, and its own log holds the first error. Every rank of the SP group must call the compiled "
+        "model, with the same inputs, at every step."
+    )
+
+
+def _shapes(leaves: Sequence[Leaf]) -> str:
+    return ", ".join(f"{leaf.path} {list(leaf.tensor.shape)}" for leaf in leaves if leaf.tensor is not None)
+
+
+def recompile_message(leaves: Sequence[Leaf], seen: Sequence[str]) -> str:
+    limit = torch._dynamo.config.recompile_limit
+    tensors = [leaf for leaf in leaves if leaf.tensor is not None and leaf.tensor.dim() > 0]
+    example = "input_ids, 1"
+    if tensors:
+        t = tensors[0]
+        example = f"{t.path}, {1 if t.tensor.dim() > 1 else 0}"
+    earlier = "; ".join(seen) if seen else "none recorded"
+    return (
+        f"Dynamo's recompile limit is reached (torch._dynamo.config.recompile_limit={limit}): this call "
+        f"({_shapes(leaves) or 'no tensor inputs'}) needs another graph, and Dynamo would run it and every later "
+        "new shape in eager, without sequence parallelism and with the whole sequence's memory on every rank. "
+        f"Inputs of the earlier calls: {earlier}. Mark the sequence length dynamic so one graph serves every "
+        f"length (torch._dynamo.mark_dynamic({example}) on each batch before the call), pad batches to a few "
+        "bucket lengths (multiples of sp_size), or raise torch._dynamo.config.recompile_limit. "
+        "TORCH_LOGS=recompiles says why each graph recompiled."
+    )
+
+
+class GraphRuns:
+    """Counts the runs of AutoSP's compiled graphs, to tell a call that ran none of them."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            self.count += 1
+            return fn(*args, **kwargs)
+
+        return run
+
+
+class GuardedCall:
+    """What ``autosp.compile`` returns runs through this on every SP rank.
+
+    Per call: the input check (one all-gather of two int64 per rank, unless ``check_inputs="off"``),
+    then the compiled call with Dynamo's recompile limit and suppressed errors made hard errors
+    (a context variable: only this call, this thread), then a check that an AutoSP graph ran.
+    """
+
+    def __init__(self, fn: Callable[..., Any], model: Any, group: Any, check: InputCheck | None,
+                 runs: GraphRuns, timeout: timedelta | None) -> None:
+        self.fn = fn
+        self.group = group
+        self.check = check
+        self.runs = runs
+        self.timeout = timeout
+        self.signature = signature_of(model)
+        self.seen: list[str] = []
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        leaves = flatten_inputs(args, kwargs, self.signature)
+        if self.check is not None:
+            run_check(self.check, leaves, self.timeout)
+        before = self.runs.count
+        try:
+            with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, suppress_errors=False):
+                out = self.fn(*args, **kwargs)
+        except FailOnRecompileLimitHit as e:
+            raise EagerFallback(recompile_message(leaves, self.seen)) from e
+        except AutoSPError:
+            raise
+        except Exception as e:
+            if is_comm_failure(e):
+                raise CollectiveFailure(comm_failure_message(
+                    "a collective of the SP program", self.group, self.timeout, e)) from e
+            raise
+        if self.runs.count == before:
+            raise EagerFallback(
+                "this call ran without AutoSP: no AutoSP graph ran, so Dynamo ran the model in eager (a stance "
+                "such as torch.compiler.set_stance('force_eager'), torch._dynamo.config.disable, or a "
+                "torch.compiler.disable'd forward): every rank computed the whole sequence, without sequence "
+                "parallelism. Call the model compiled, or compile it with sp_size=1."
+            )
+        shapes = _shapes(leaves)
+        if len(self.seen) < _MAX_SEEN and shapes not in self.seen:
+            self.seen.append(shapes)
+        return out
+
+
+def run_check(check: InputCheck, leaves: list[Leaf], timeout: timedelta | None) -> None:
+    """The input check, its failures as AutoSP errors (it is the first collective of a call)."""
+    try:
+        check(leaves)
+    except InputMismatchError as e:
+        raise InputMismatch(str(e)) from None
+    except Exception as e:
+        if is_comm_failure(e):
+            raise CollectiveFailure(comm_failure_message(
+                "the input check (the first collective of every call)", check.group, timeout, e)) from e
+        raise
+
+
+def _graph_input_name(name: str) -> str:
+    # Dynamo names placeholders after their source: L_input_ids_, L_batch_ids_.
+    match = re.fullmatch(r"L_(.+)_", name)
+    return match.group(1) if match else name
+
+
+def guard_graph(fn: Callable[..., Any], names: Sequence[str], is_param: Sequence[bool], check: InputCheck,
+                timeout: timedelta | None) -> Callable[..., Any]:
+    """For ``torch.compile(backend=autosp.backend(...))``: the input check inside each compiled graph.
+
+    It runs after Dynamo's guards, so ranks whose shapes differ may first compile different
+    graphs; a shape that one rank cannot compile leaves the others waiting until the timeout.
+    """
+    keep = [i for i, p in enumerate(is_param) if not p]
+
+    @functools.wraps(fn)
+    def run(*args: Any) -> Any:
+        leaves = []
+        for i in keep:
+            x = args[i]
+            name = _graph_input_name(names[i])
+            if isinstance(x, torch.Tensor):
+                leaves.append(Leaf(name, tensor_meta(x), x))
+            elif isinstance(x, (int, float, bool, torch.SymInt)):
+                leaves.append(Leaf(name, f"{type(x).__name__} {int(x) if isinstance(x, torch.SymInt) else x!r}"))
+        run_check(check, leaves, timeout)
+        try:
+            return fn(*args)
+        except Exception as e:
+            if is_comm_failure(e):
+                raise CollectiveFailure(comm_failure_message(
+                    "a collective of the SP program", check.group, timeout, e)) from e
+            raise
+
+    return run
+
+
+def guard_compiled(compiled: Any, model: Any, call: GuardedCall) -> Any:
+    """Route calls of ``torch.compile``'s result through ``call``, keeping its type and attributes.
+
+    A compiled module keeps being the ``OptimizedModule`` (hooks, ``state_dict``, ``_orig_mod``):
+    only its ``forward`` is replaced. A compiled function becomes ``call`` itself.
+    """
+    if isinstance(compiled, torch.nn.Module):
+        compiled.forward = call
+        return compiled
+    return call
+
+
+__all__ = [
+    "CollectiveFailure",
+    "EagerFallback",
+    "GraphRuns",
+    "GuardedCall",
+    "InputMismatch",
+    "comm_failure_message",
+    "guard_compiled",
+    "guard_graph",
+    "is_comm_failure",
+    "recompile_message",
+    "run_check",
+]

@@ -1,0 +1,263 @@
+"""The SP ranks agree on their inputs before an SP program runs.
+
+The contract is that every rank of the SP group calls the compiled program with the same
+full-length inputs. Ranks fed different batches produce a loss that matches no single-device run
+(same shapes), a silently wrong program (``[2, 64]`` against ``[1, 128]``) or a collective of
+mismatched sizes (a C++ abort in gloo). So each call first exchanges one fixed-size digest of the
+inputs: a fixed size, because a check that ran only when one rank's shapes changed would leave the
+other ranks in the SP program's first collective, paired with the wrong one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import inspect
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+CheckMode = Literal["shapes", "hash", "off"]
+CHECK_MODES: tuple[str, ...] = ("shapes", "hash", "off")
+
+_MAX_DEPTH = 8
+_CHUNK = 1 << 16  # elements hashed at once: bounded temporaries, cached weights (512 KiB per device)
+_MULT = 0x5851F42D4C957F2D  # odd 64-bit constants (PCG's multiplier and increment)
+_ADD = 0x14057B7EF767814F
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """One input of a call: where it sits in the arguments and what every rank must agree on.
+
+    Attributes:
+        path: the argument it came from, as the caller wrote it (``input_ids``, ``batch['labels']``).
+        meta: shape, dtype and device type of a tensor, or the value of a plain scalar.
+        tensor: the tensor (``None`` for other values), for the content fingerprint.
+    """
+
+    path: str
+    meta: str
+    tensor: torch.Tensor | None = None
+
+
+def tensor_meta(t: torch.Tensor) -> str:
+    # Device type only: SP ranks on one host legitimately use cuda:0 and cuda:1.
+    grad = " requires_grad" if t.requires_grad else ""
+    return f"tensor {list(t.shape)} {str(t.dtype).removeprefix('torch.')} {t.device.type}{grad}"
+
+
+def _scalar_meta(value: Any) -> str | None:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return f"{type(value).__name__} {value!r}"
+    if isinstance(value, torch.dtype):
+        return f"dtype {value}"
+    if isinstance(value, torch.device):
+        return f"device {value.type}"
+    return None
+
+
+def _walk(value: Any, path: str, out: list[Leaf], depth: int) -> None:
+    if isinstance(value, torch.Tensor):
+        # Parameters are the model's, not the batch's; replicated by construction.
+        if not isinstance(value, torch.nn.Parameter):
+            out.append(Leaf(path, tensor_meta(value), value))
+        return
+    scalar = _scalar_meta(value)
+    if scalar is not None:
+        out.append(Leaf(path, scalar))
+        return
+    if depth < _MAX_DEPTH:
+        if isinstance(value, Mapping):
+            # Sorted: two ranks that build the same dict in another order agree.
+            for key in sorted(value, key=repr):
+                _walk(value[key], f"{path}[{key!r}]", out, depth + 1)
+            return
+        if isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                _walk(item, f"{path}[{i}]", out, depth + 1)
+            return
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            for f in dataclasses.fields(value):
+                _walk(getattr(value, f.name), f"{path}.{f.name}", out, depth + 1)
+            return
+    # Anything else is compared by type only (its repr may hold addresses that differ per process).
+    out.append(Leaf(path, f"object {type(value).__qualname__}"))
+
+
+def signature_of(fn: Any) -> inspect.Signature | None:
+    """The signature calls are bound to, so inputs are named as the model names them."""
+    target = fn.forward if isinstance(fn, torch.nn.Module) else fn
+    try:
+        return inspect.signature(target)
+    except (TypeError, ValueError):
+        return None
+
+
+def flatten_inputs(args: Sequence[Any], kwargs: Mapping[str, Any], signature: inspect.Signature | None = None
+                   ) -> list[Leaf]:
+    """Every input of one call, parameters excluded, named by argument and position inside it."""
+    named: list[tuple[str, Any]]
+    try:
+        if signature is None:
+            raise TypeError
+        bound = signature.bind(*args, **kwargs)
+        named = []
+        for name, value in bound.arguments.items():
+            kind = signature.parameters[name].kind
+            if kind is inspect.Parameter.VAR_POSITIONAL:
+                named.extend((f"{name}[{i}]", v) for i, v in enumerate(value))
+            elif kind is inspect.Parameter.VAR_KEYWORD:
+                named.extend((k, value[k]) for k in sorted(value))
+            else:
+                named.append((name, value))
+    except TypeError:
+        # The model will raise its own error for a call that does not bind; name by position meanwhile.
+        named = [(f"args[{i}]", v) for i, v in enumerate(args)] + [(k, kwargs[k]) for k in sorted(kwargs)]
+    out: list[Leaf] = []
+    for name, value in named:
+        _walk(value, name, out, 0)
+    return out
+
+
+_weights: dict[torch.device, torch.Tensor] = {}
+
+
+def _chunk_weights(device: torch.device) -> torch.Tensor:
+    """Odd pseudo-random int64 weights for positions inside a chunk, made once per device."""
+    w = _weights.get(device)
+    if w is None:
+        w = torch.arange(_CHUNK, dtype=torch.int64, device=device) * _MULT + _ADD
+        w = (w ^ (w >> 29)) | 1
+        _weights[device] = w
+    return w
+
+
+def fingerprint(t: torch.Tensor) -> torch.Tensor:
+    """A 64-bit fingerprint of a tensor's bytes, computed where the tensor lives (int64, 0-dim).
+
+    Position-weighted with odd weights in wrapping int64 arithmetic, so a changed element always
+    changes it and swapped tokens almost always do (XOR-style hashes such as ``torch.hash_tensor``
+    miss swaps). Chunks get their own odd multiplier, so the weights are made once per device.
+    """
+    x = t.detach()
+    if x.is_complex():
+        x = torch.view_as_real(x)
+    x = x.contiguous().reshape(-1)
+    if x.dtype == torch.bool:
+        x = x.view(torch.uint8)
+    word = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[x.element_size()]
+    x = x.view(word)
+    weights = _chunk_weights(x.device)
+    total = torch.full((), x.numel(), dtype=torch.int64, device=x.device)
+    for k, start in enumerate(range(0, x.numel(), _CHUNK)):
+        words = x[start:start + _CHUNK]
+        part = (words * weights[: words.numel()]).sum()  # int64: promotion, products wrap mod 2**64
+        total += part * (((k * _MULT + _ADD) & 0x7FFFFFFFFFFFFFFF) | 1) if k else part
+    return total
+
+
+def _digest(text: str) -> int:
+    # hashlib, not hash(): str hashes are salted per process.
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True)
+
+
+def collective_device(group: Any) -> torch.device:
+    backend = str(dist.get_backend(group)).lower()
+    if "gloo" in backend or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)
+
+
+def mismatch_message(gathered: list[list[tuple[str, str, int | None]]], ranks: list[int]) -> str:
+    """What differs between the ranks' inputs, input by input (``gathered[i]``: SP rank i's inputs)."""
+    paths: list[str] = []
+    for per_rank in gathered:
+        paths.extend(p for p, _, _ in per_rank if p not in paths)
+    tables = [{p: (m, fp) for p, m, fp in per_rank} for per_rank in gathered]
+    lines = []
+    for path in paths:
+        metas = [t.get(path, ("missing", None))[0] for t in tables]
+        if len(set(metas)) > 1:
+            groups: dict[str, list[int]] = {}
+            for i, m in enumerate(metas):
+                groups.setdefault(m, []).append(ranks[i])
+            lines.append(f"  {path}: " + "; ".join(f"{_ranks_text(rs)}: {m}" for m, rs in groups.items()))
+            continue
+        fps = [t[path][1] for t in tables]
+        if len(set(fps)) > 1:
+            groups_fp: dict[int | None, list[int]] = {}
+            for i, fp in enumerate(fps):
+                groups_fp.setdefault(fp, []).append(ranks[i])
+            lines.append(f"  {path} ({metas[0]}): different contents: "
+                         + " / ".join(_ranks_text(rs) for rs in groups_fp.values()))
+    if not lines:  # digests differed but the descriptions agree: a digest collision, or a rank's own bug
+        lines.append("  (the inputs' digests differ, their descriptions agree)")
+    return (
+        "the ranks of the SP group were called with different inputs (global ranks):\n" + "\n".join(lines) + "\n"
+        "Every rank of an SP group must call the compiled model with the same full-length batch: AutoSP splits "
+        "the sequence itself. Give all ranks of one SP group the same batch (shard the data loader over the "
+        "data-parallel group only, and seed it the same way on the SP ranks)."
+    )
+
+
+class InputMismatchError(RuntimeError):
+    """Raised (wrapped into ``AutoSPError`` by the caller) with ``mismatch_message``'s text."""
+
+
+class InputCheck:
+    """One all-gather of a fixed-size digest per call; a second, rich exchange only on a mismatch.
+
+    The second exchange is safe: every rank saw the same gathered digests, so every rank takes it.
+    """
+
+    def __init__(self, group: Any, mode: CheckMode) -> None:
+        self.group = group
+        self.mode = mode
+        self.ranks = dist.get_process_group_ranks(group)
+        self.device = collective_device(group)
+
+    def __call__(self, leaves: list[Leaf]) -> None:
+        digest = _digest("\n".join(f"{leaf.path}: {leaf.meta}" for leaf in leaves))
+        local = torch.tensor([digest, 0], dtype=torch.int64, device=self.device)
+        fps: torch.Tensor | None = None
+        if self.mode == "hash":
+            tensors = [leaf.tensor for leaf in leaves if leaf.tensor is not None]
+            if tensors:
+                fps = torch.stack([fingerprint(t).to(self.device) for t in tensors])
+                weights = torch.arange(len(tensors), dtype=torch.int64, device=self.device) * _MULT + _ADD
+                local[1] = (fps * (weights | 1)).sum()
+        # Pre-filled with our own row: a backend that does not communicate (fake) compares equal.
+        rows = local.repeat(len(self.ranks))
+        dist.all_gather_single(rows, local, group=self.group)
+        flat = rows.tolist()
+        values = [flat[i:i + 2] for i in range(0, len(flat), 2)]
+        if all(v == values[0] for v in values):
+            return
+        fp_iter = iter(fps.tolist() if fps is not None else [])
+        mine = [(leaf.path, leaf.meta, next(fp_iter, None) if leaf.tensor is not None else None) for leaf in leaves]
+        gathered: list[Any] = [None] * len(self.ranks)
+        dist.all_gather_object(gathered, mine, group=self.group)
+        raise InputMismatchError(mismatch_message(gathered, self.ranks))
+
+
+__all__ = [
+    "CHECK_MODES",
+    "CheckMode",
+    "InputCheck",
+    "InputMismatchError",
+    "Leaf",
+    "collective_device",
+    "fingerprint",
+    "flatten_inputs",
+    "mismatch_message",
+    "signature_of",
+    "tensor_meta",
+]

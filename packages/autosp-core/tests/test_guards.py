@@ -1,0 +1,277 @@
+"""Guards in one process: options, naming inputs, fingerprints, mismatch text, the eager-fallback guard.
+
+The multi-rank behaviour (the check's collective, timeouts) is in integration_tests/test_guards.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import autosp
+from autosp import AutoSPError, ConfigError, SPOptions
+from autosp.guards import EagerFallback, GraphRuns, GuardedCall, is_comm_failure, recompile_message
+from autosp.input_check import Leaf, fingerprint, flatten_inputs, mismatch_message, signature_of
+
+from _core_helpers import TinyAttention
+
+# --- options ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("given", "mode"), [("shapes", "shapes"), ("hash", "hash"), ("off", "off"),
+                                             (False, "off"), (True, "shapes")])
+def test_check_inputs_values(given, mode):
+    assert SPOptions(check_inputs=given).check_inputs == mode
+
+
+@pytest.mark.parametrize(("kwargs", "pattern"), [
+    ({"check_inputs": "content"}, r"check_inputs='content'; use 'shapes', 'hash' or 'off' \(or False\)"),
+    ({"timeout": 0}, r"timeout=0; give seconds > 0 \(or a timedelta\), or None"),
+    ({"timeout": -1.5}, r"timeout=-1.5; give seconds > 0"),
+    ({"timeout": "30"}, r"timeout='30'; give seconds > 0"),
+    ({"timeout": True}, r"timeout=True; give seconds > 0"),
+    ({"timeout": timedelta(0)}, r"timeout=datetime.timedelta\(0\); give seconds > 0"),
+    ({"timeout": 5, "group": object()}, r"group= was given.*dist.new_group\(ranks, timeout=timedelta"),
+])
+def test_bad_guard_options(kwargs, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        SPOptions(**kwargs)
+    if "group" not in kwargs:
+        with pytest.raises(ConfigError, match=pattern):
+            autosp.compile(TinyAttention(), **kwargs)
+
+
+def test_timeout_in_seconds_or_timedelta():
+    assert SPOptions(timeout=2.5).timeout_delta == timedelta(seconds=2.5)
+    assert SPOptions(timeout=timedelta(minutes=1)).timeout_delta == timedelta(seconds=60)
+    assert SPOptions().timeout_delta is None
+    # One process, no process group: nothing to time out, the options are only checked.
+    assert not dist.is_initialized()
+    autosp.compile(TinyAttention(), timeout=5, check_inputs="hash")
+
+
+# --- naming inputs ------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Batch:
+    ids: torch.Tensor
+    step: int
+
+
+def _model(input_ids, labels=None, *extra, batch=None, **options):
+    return input_ids
+
+
+def test_inputs_are_named_as_the_model_names_them():
+    sig = signature_of(_model)
+    ids, w = torch.zeros(2, 8, dtype=torch.long), torch.nn.Parameter(torch.ones(3))
+    leaves = flatten_inputs(
+        (ids, ids.float(), torch.ones(1), w),
+        {"batch": {"mask": torch.ones(2, 8, dtype=torch.bool), "rows": [ids, Batch(ids, 3)]},
+         "flag": True, "dtype": torch.bfloat16, "device": torch.device("cpu", 0), "obj": object()},
+        sig,
+    )
+    got = {leaf.path: leaf.meta for leaf in leaves}
+    assert got == {
+        "input_ids": "tensor [2, 8] int64 cpu",
+        "labels": "tensor [2, 8] float32 cpu",
+        "extra[0]": "tensor [1] float32 cpu",  # the Parameter (extra[1]) is not an input to compare
+        "batch['mask']": "tensor [2, 8] bool cpu",
+        "batch['rows'][0]": "tensor [2, 8] int64 cpu",
+        "batch['rows'][1].ids": "tensor [2, 8] int64 cpu",
+        "batch['rows'][1].step": "int 3",
+        "device": "device cpu",  # device type only: SP ranks use cuda:0, cuda:1, ...
+        "dtype": "dtype torch.bfloat16",
+        "flag": "bool True",
+        "obj": "object object",  # by type: a repr may hold a per-process address
+    }
+    assert [leaf.path for leaf in leaves][:3] == ["input_ids", "labels", "extra[0]"]
+
+
+def test_inputs_of_a_module_and_of_a_call_that_does_not_bind():
+    leaves = flatten_inputs((torch.zeros(1, 4, 16, requires_grad=True),), {}, signature_of(TinyAttention()))
+    assert [(leaf.path, leaf.meta) for leaf in leaves] == [("x", "tensor [1, 4, 16] float32 cpu requires_grad")]
+    # Too many arguments: the model raises its own error; until then inputs are named by position.
+    leaves = flatten_inputs((torch.zeros(2), torch.zeros(3)), {"k": 1}, signature_of(TinyAttention()))
+    assert [leaf.path for leaf in leaves] == ["args[0]", "args[1]", "k"]
+
+
+def test_dict_order_does_not_matter():
+    a = flatten_inputs(({"x": torch.zeros(1), "y": 2},), {}, None)
+    b = flatten_inputs(({"y": 2, "x": torch.zeros(1)},), {}, None)
+    assert [(leaf.path, leaf.meta) for leaf in a] == [(leaf.path, leaf.meta) for leaf in b]
+
+
+# --- fingerprints -----------------------------------------------------------------------------------
+
+
+def test_fingerprint_sees_every_changed_element_and_swaps():
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 96, (2, 64), generator=gen)
+    base = int(fingerprint(ids))
+    assert int(fingerprint(ids.clone())) == base
+    assert int(fingerprint(ids.t().contiguous().t())) == base  # layout is not content
+    seen = {base}
+    for i in range(ids.numel()):
+        changed = ids.clone().view(-1)
+        changed[i] += 1
+        seen.add(int(fingerprint(changed.view(2, 64))))
+    assert len(seen) == ids.numel() + 1
+    for i in range(0, 63):
+        swapped = ids.clone()
+        swapped[0, i], swapped[0, i + 1] = ids[0, i + 1], ids[0, i]
+        if not torch.equal(swapped, ids):
+            assert int(fingerprint(swapped)) != base, i
+    assert int(fingerprint(ids.view(4, 32))) == base  # same bytes: the shape is compared separately
+
+
+def test_fingerprint_across_chunks_and_dtypes():
+    big = torch.arange(200_000, dtype=torch.int32)
+    base = int(fingerprint(big))
+    # The same block of values moved to another chunk must not hash the same.
+    moved = torch.cat([big[65536:131072], big[:65536], big[131072:]])
+    assert int(fingerprint(moved)) != base
+    late = big.clone()
+    late[-1] += 1
+    assert int(fingerprint(late)) != base
+    for t in (torch.randn(5, 3).half(), torch.randn(4, dtype=torch.complex64), torch.tensor([True, False]),
+              torch.randn(3, 3, dtype=torch.float64), torch.randn(2, 2).bfloat16()):
+        assert int(fingerprint(t)) == int(fingerprint(t.clone()))
+        other = t.clone()
+        other.view(-1)[0] = other.view(-1)[1] if t.dtype == torch.bool else other.view(-1)[0] + 1
+        if not torch.equal(other, t):
+            assert int(fingerprint(other)) != int(fingerprint(t)), t.dtype
+
+
+# --- messages -----------------------------------------------------------------------------------------
+
+
+def test_mismatch_message_groups_ranks_by_what_they_got():
+    a = [("input_ids", "tensor [2, 64] int64 cpu", 1), ("labels", "tensor [2, 64] int64 cpu", 2)]
+    b = [("input_ids", "tensor [1, 128] int64 cpu", 1), ("labels", "tensor [2, 64] int64 cpu", 2)]
+    c = [("input_ids", "tensor [2, 64] int64 cpu", 1), ("labels", "tensor [2, 64] int64 cpu", 3)]
+    msg = mismatch_message([a, b, a, c], [4, 5, 6, 7])
+    assert "  input_ids: ranks 4, 6, 7: tensor [2, 64] int64 cpu; rank 5: tensor [1, 128] int64 cpu\n" in msg
+    assert "  labels (tensor [2, 64] int64 cpu): different contents: ranks 4, 5, 6 / rank 7\n" in msg
+    missing = mismatch_message([a, a[:1]], [0, 1])
+    assert "labels: rank 0: tensor [2, 64] int64 cpu; rank 1: missing" in missing
+
+
+def test_recompile_message_has_numbers_and_what_to_do():
+    leaves = [Leaf("batch['ids']", "tensor [2, 72] int64 cpu", torch.zeros(2, 72)), Leaf("n", "int 3")]
+    msg = recompile_message(leaves, ["batch['ids'] [2, 8]", "batch['ids'] [2, 16]"])
+    assert f"recompile_limit={torch._dynamo.config.recompile_limit}" in msg
+    assert "this call (batch['ids'] [2, 72])" in msg
+    assert "earlier calls: batch['ids'] [2, 8]; batch['ids'] [2, 16]" in msg
+    assert "torch._dynamo.mark_dynamic(batch['ids'], 1)" in msg
+
+
+def test_comm_failures_are_told_apart():
+    assert is_comm_failure(RuntimeError("[gloo/unbound_buffer.cc:78] Timed out waiting 3000ms for recv operation"))
+    assert is_comm_failure(RuntimeError("Connection closed by peer [127.0.0.1]:1234"))
+    assert is_comm_failure(dist.DistBackendError("NCCL watchdog"))
+    assert not is_comm_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not is_comm_failure(ValueError("Timed out"))
+
+
+# --- the eager-fallback guard, with Dynamo for real (one process, a tiny function) ---------------------
+
+
+def _guarded(fn):
+    runs = GraphRuns()
+
+    def record(gm, example_inputs):
+        return runs.wrap(gm.forward)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend=record, dynamic=False)
+    return GuardedCall(compiled, fn, None, None, runs, None)
+
+
+def _double(x):
+    return x * 2 + 1
+
+
+def test_recompile_limit_raises_instead_of_running_eager():
+    call = _guarded(_double)
+    with torch._dynamo.config.patch(recompile_limit=2):
+        for n in (3, 4):
+            torch.testing.assert_close(call(torch.ones(n)), torch.full((n,), 3.0))
+        with pytest.raises(EagerFallback, match=r"recompile_limit=2\): this call \(x \[5\]\).*earlier calls: "
+                                                r"x \[3\]; x \[4\]\..*mark_dynamic\(x, 0\)"):
+            call(torch.ones(5))
+        torch.testing.assert_close(call(torch.ones(4)), torch.full((4,), 3.0))  # known shapes still run
+    assert torch._dynamo.config.fail_on_recompile_limit_hit is False  # only inside the call
+    torch._dynamo.reset()
+
+
+def test_suppressed_errors_do_not_turn_autosp_errors_into_eager():
+    def refuse(gm, example_inputs):
+        raise AutoSPError("no attention site (stand-in for any AutoSP refusal)")
+
+    runs = GraphRuns()
+    torch._dynamo.reset()
+    call = GuardedCall(torch.compile(_double, backend=refuse), _double, None, None, runs, None)
+    with torch._dynamo.config.patch(suppress_errors=True):
+        with pytest.raises(AutoSPError, match="stand-in for any AutoSP refusal"):
+            call(torch.ones(3))
+        assert torch._dynamo.config.suppress_errors is True
+    torch._dynamo.reset()
+
+
+def test_a_call_that_ran_no_autosp_graph_is_an_error():
+    call = _guarded(_double)
+    call(torch.ones(3))
+    with torch.compiler.set_stance("force_eager"):
+        with pytest.raises(EagerFallback, match=r"ran without AutoSP.*force_eager"):
+            call(torch.ones(3))
+    call(torch.ones(3))
+    torch._dynamo.reset()
+
+
+def test_guarded_module_keeps_its_type_and_hooks():
+    from autosp.guards import guard_compiled
+
+    model = TinyAttention()
+    runs = GraphRuns()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=lambda gm, ex: runs.wrap(gm.forward))
+    seen = []
+    compiled.register_forward_pre_hook(lambda mod, args: seen.append(args[0].shape))
+    guarded = guard_compiled(compiled, model, GuardedCall(compiled.forward, model, None, None, runs, None))
+    assert guarded is compiled and isinstance(guarded, torch._dynamo.eval_frame.OptimizedModule)
+    x = torch.randn(1, 4, 16)
+    torch.testing.assert_close(guarded(x), model(x))
+    assert seen == [x.shape] and runs.count == 1
+    assert set(guarded.state_dict()) == {f"_orig_mod.{k}" for k in model.state_dict()}  # as torch.compile's
+    torch._dynamo.reset()
+
+
+# --- find_attention's messages print numbers, also for a symbolic length ---------------------------
+
+
+def test_non_divisible_symbolic_length_prints_the_number(monkeypatch):
+    from autosp.compiler import make_context
+    from autosp.passes.core import find_attention
+    from autosp.registry import get_registry
+
+    # A 2-rank context without a process group: find_attention needs the world size, not peers.
+    monkeypatch.setattr("autosp.compiler.dist.get_rank", lambda group=None: 0)
+
+    def backend(gm, example_inputs):
+        find_attention(gm, make_context(gm, example_inputs, SPOptions(), get_registry(), None, 2))
+        return gm.forward
+
+    torch._dynamo.reset()
+    x = torch.randn(1, 33, 16)
+    torch._dynamo.mark_dynamic(x, 1)
+    with pytest.raises(AutoSPError, match=r"sequence length 33 is not divisible by sp_size=2") as err:
+        torch.compile(TinyAttention(), backend=backend)(x)
+    assert not re.search(r"\bs\d+\b", str(err.value).split("\n")[0]), str(err.value)
+    torch._dynamo.reset()
