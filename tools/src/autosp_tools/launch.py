@@ -1,8 +1,14 @@
 """Start the ranks: in this process (1 rank), under torchrun (env://), or spawned (gloo + FileStore).
 
 Spawned ranks meet through a FileStore in a temporary directory, so no port is
-needed. Rank 0 sends its result back through a file; a rank that fails writes its
-traceback, and the parent raises it.
+needed. Rank 0 sends its result back through a file; a rank that fails writes what
+it raised (see ``failures``) and exits at once, so that its peers' collectives fail
+within a second instead of waiting for their timeout.
+
+The launcher watches the ranks while they run: the moment one fails it ends the
+others and reports the first failure (not the lowest rank's "connection reset"), and
+a step watchdog ends a job whose ranks stopped sending heartbeats (see ``heartbeat``).
+Every collective gives up after ``cfg.timeout`` seconds, spawned or under torchrun.
 """
 
 from __future__ import annotations
@@ -10,9 +16,11 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
+import sys
 import tempfile
-import traceback
+import time
 from collections.abc import Callable
+from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -20,13 +28,23 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from autosp_tools import failures, heartbeat
+
 R = TypeVar("R")
-# A rank stuck in a collective after a peer died gives up after this long instead of gloo's 30 minutes.
-TIMEOUT = datetime.timedelta(minutes=10)
+# Without --timeout (the benchmarks), a collective waits this long for a peer instead of gloo's 30 minutes.
+DEFAULT_TIMEOUT_S = 600.0
+# After a first communication error, how long to let the real cause show (a peer's
+# exception or death) before calling the silent ranks stuck.
+SETTLE_S = 3.0
+POLL_S = 0.25
 
 
 class RankFailed(RuntimeError):
-    """A spawned rank raised; the message carries its traceback."""
+    """A spawned rank failed or stopped responding; the message names it and the step."""
+
+
+def timeout_of(cfg: Any) -> datetime.timedelta:
+    return datetime.timedelta(seconds=float(getattr(cfg, "timeout", None) or DEFAULT_TIMEOUT_S))
 
 
 def launch(fn: Callable[[Any, int, int], R], cfg: Any, *, always_spawn: bool = False) -> R:
@@ -45,7 +63,7 @@ def launch(fn: Callable[[Any, int, int], R], cfg: Any, *, always_spawn: bool = F
 def _torchrun(fn: Callable[[Any, int, int], R], cfg: Any) -> R:
     owns = not dist.is_initialized()
     if owns:
-        dist.init_process_group("gloo", init_method="env://", timeout=TIMEOUT)
+        dist.init_process_group("gloo", init_method="env://", timeout=timeout_of(cfg))
     try:
         return fn(cfg, dist.get_rank(), dist.get_world_size())
     finally:
@@ -54,20 +72,27 @@ def _torchrun(fn: Callable[[Any, int, int], R], cfg: Any) -> R:
 
 
 def _worker(rank: int, world: int, store_path: str, out_dir: str, fn: Callable[[Any, int, int], Any], cfg: Any,
-            threads: int) -> None:
+            threads: int, beats: Any) -> None:
     torch.set_num_threads(threads)
-    store = dist.FileStore(store_path, world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=TIMEOUT)
+    beat = heartbeat.Heartbeat(beats, rank)
+    heartbeat.install(beat)
     try:
+        store = dist.FileStore(store_path, world)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout_of(cfg))
         result = fn(cfg, rank, world)
         if rank == 0:
-            Path(out_dir, "result.pkl").write_bytes(pickle.dumps(result))
-    except BaseException as e:
-        Path(out_dir, f"error{rank}.txt").write_text(f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
-        # A non-zero exit makes the parent stop the other ranks rather than wait on them.
-        raise
-    finally:
-        dist.destroy_process_group()
+            tmp = Path(out_dir, "result.tmp")
+            tmp.write_bytes(pickle.dumps(result))
+            os.replace(tmp, Path(out_dir, "result.pkl"))
+    except BaseException as e:  # noqa: BLE001 - reported to the launcher
+        failures.write_record(out_dir, rank, e)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Exiting now closes this rank's sockets, so its peers fail at once rather than at their timeout;
+        # a clean shutdown could itself wait on them.
+        os._exit(1)
+    beat.done(0)
+    dist.destroy_process_group()
 
 
 def _spawn(fn: Callable[[Any, int, int], R], cfg: Any) -> R:
@@ -83,18 +108,58 @@ def _spawn(fn: Callable[[Any, int, int], R], cfg: Any) -> R:
 
 
 def _spawn_ranks(fn: Callable[[Any, int, int], R], cfg: Any, threads: int) -> R:
+    ctx = mp.get_context("spawn")
+    world = int(cfg.nproc)
     with tempfile.TemporaryDirectory(prefix="autosp-train-") as tmp:
+        board = heartbeat.Board(ctx, world)
         store = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=_worker, args=(r, world, store, tmp, fn, cfg, threads, board.array),
+                             name=f"autosp-rank-{r}") for r in range(world)]
         try:
-            mp.start_processes(_worker, args=(cfg.nproc, store, tmp, fn, cfg, threads), nprocs=cfg.nproc,
-                               start_method="spawn", join=True)
-        except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
-            errors = sorted(Path(tmp).glob("error*.txt"))
-            if errors:
-                first = errors[0]
-                raise RankFailed(f"rank {first.stem[5:]} failed: {first.read_text()}") from e
-            raise
+            for p in procs:
+                p.start()
+            _watch(procs, board, tmp, timeout_of(cfg).total_seconds())
+        finally:
+            _stop(procs)
         return pickle.loads(Path(tmp, "result.pkl").read_bytes())
 
 
-__all__ = ["RankFailed", "launch"]
+def _watch(procs: list[Any], board: heartbeat.Board, out_dir: str, timeout_s: float) -> None:
+    """Return when every rank has finished; raise RankFailed at the first failure or stall."""
+    failed_at: float | None = None
+    while True:
+        now = time.monotonic()
+        exits = {r: p.exitcode for r, p in enumerate(procs)}
+        records = failures.read_records(out_dir)
+        beats = board.read()
+        if failed_at is None and (records or any(failures.gone(c, beats[r]) for r, c in exits.items())):
+            failed_at = now
+        if failed_at is not None:
+            # Let the ranks a failure takes down report too: only then can cause be told from consequence.
+            settle = 0.5 if failures.conclusive(records, exits, beats) else SETTLE_S
+            if now - failed_at >= settle or all(c is not None for c in exits.values()):
+                raise RankFailed(failures.diagnose(records, exits, beats, timeout_s, now))
+        elif all(c == 0 for c in exits.values()):
+            return
+        else:
+            verdict = failures.stalled(beats, exits, timeout_s, now)
+            if verdict is not None:
+                raise RankFailed(verdict)
+        alive = [p.sentinel for p in procs if p.exitcode is None]
+        if alive:
+            wait(alive, timeout=POLL_S)
+        else:
+            time.sleep(POLL_S)
+
+
+def _stop(procs: list[Any]) -> None:
+    # SIGKILL: a stuck or stopped (SIGSTOP) rank ignores anything gentler.
+    for p in procs:
+        if p.pid is not None and p.exitcode is None:
+            p.kill()
+    for p in procs:
+        if p.pid is not None:
+            p.join()
+
+
+__all__ = ["DEFAULT_TIMEOUT_S", "RankFailed", "launch", "timeout_of"]

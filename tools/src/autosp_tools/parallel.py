@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -52,9 +53,12 @@ def mean_over_dp(value: torch.Tensor, groups: Groups) -> torch.Tensor:
 
 
 class Trainer(Protocol):
-    """One optimizer step on this rank's rows; returns this rank's (dp-local) loss."""
+    """One optimizer step on this rank's rows; returns this rank's (dp-local) loss.
 
-    def step(self, ids: torch.Tensor, lr: float) -> torch.Tensor: ...
+    ``after_forward`` runs between the forward and the backward (fault injection in tests).
+    """
+
+    def step(self, ids: torch.Tensor, lr: float, after_forward: Callable[[], None] | None = None) -> torch.Tensor: ...
 
 
 @dataclass
@@ -66,10 +70,12 @@ class TorchTrainer:
     optimizer: torch.optim.Optimizer
     grad_clip: float
 
-    def step(self, ids: torch.Tensor, lr: float) -> torch.Tensor:
+    def step(self, ids: torch.Tensor, lr: float, after_forward: Callable[[], None] | None = None) -> torch.Tensor:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         loss = self.module(ids, ids)
+        if after_forward is not None:
+            after_forward()
         loss.backward()
         if self.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
@@ -168,10 +174,12 @@ def deepspeed_config(stage: int, rows: int, lr: float, weight_decay: float, grad
 class DeepSpeedTrainer:
     engine: Any
 
-    def step(self, ids: torch.Tensor, lr: float) -> torch.Tensor:
+    def step(self, ids: torch.Tensor, lr: float, after_forward: Callable[[], None] | None = None) -> torch.Tensor:
         for group in self.engine.optimizer.param_groups:
             group["lr"] = lr
         loss = self.engine(ids, ids)
+        if after_forward is not None:
+            after_forward()
         self.engine.backward(loss)
         self.engine.step()
         return loss.detach()
