@@ -133,6 +133,9 @@ case(aten.mm.default, "partial@partial", args(lambda g: randn(g, B, D), W), Part
 case(aten.mm.default, "shard@partial", args(lambda g: randn(g, S, D), W), shard(0), Partial())
 case(aten.mm.default, "replicated", args(lambda g: randn(g, B, D), W), R, R)
 case(aten.mm.default, "head-sharded", args(lambda g: randn(g, S, D), W), head_shard(1), R)
+# A per-token matmul: the sequence is bmm's batch dim.
+case(aten.bmm.default, "per-token-batch-dim", args(lambda g: randn(g, S, 2, D), lambda g: randn(g, S, D, 3)),
+     shard(0, "zigzag"), shard(0, "uneven"), expect=(Shard,))
 case(aten.bmm.default, "partial@W", args(lambda g: randn(g, B, 3, D), lambda g: randn(g, B, D, 2)), Partial(), R)
 case(aten.bmm.default, "head-sharded", args(x3, lambda g: randn(g, B, D, S)), head_shard(0), head_shard(0))
 # A classifier head on a pooled (partial) vector: the bias must be added once, not once per rank.
@@ -458,6 +461,7 @@ case(aten.exp.default, "partial", args(lambda g: randn(g, B, D)), Partial())
 case(aten.pow.Tensor_Scalar, "partial", args(lambda g: randn(g, B, D), 2), Partial())
 case(aten.rsqrt.default, "shard", args(lambda g: randn(g, B, S, D).abs() + 1), shard(1, "zigzag_sliced"))
 case(aten.sigmoid.default, "head-sharded", args(lambda g: randn(g, B, 4, S)), head_shard(1))
+case(aten.pow.Scalar, "scalar-base-shard", args(2.0, x3), shard(1, "uneven"), expect=(Shard,))
 case(aten.eq.Scalar, "shard-bool-out", args(lambda g: ints(g, 3, B, S), 1), shard(1, "zigzag"))
 case(aten.lt.Tensor, "shard<replicated", args(x3, lambda g: randn(g, D)), shard(1, "uneven"), R)
 
