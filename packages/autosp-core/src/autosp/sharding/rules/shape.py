@@ -172,7 +172,8 @@ def select_rule(ctx, node, args, kwargs):
         return SPValue(out, placement, node.meta["val"])
     if isinstance(p, Replicate):
         return replicated(ctx, node, args, kwargs)
-    if p.axis.inner != 1 or p.axis.outer(v.gval.shape[dim]) != 1:
+    if p.axis.inner != 1 or p.axis.outer(v.gval.shape[dim]) != 1 or v.gval.dtype == torch.bool:
+        # A bool has no sum to be partial in: gather instead.
         return fallback(ctx, node, args, kwargs)
     # Only the owner of the position holds it: a partial sum with zeros elsewhere avoids a gather.
     index = index + v.gval.shape[dim] if index < 0 else index
@@ -184,7 +185,8 @@ def select_rule(ctx, node, args, kwargs):
     if out is None:
         # Zeros that still depend on the input, so every rank runs the same backward collectives;
         # masked_fill, not ``* 0``, so an inf or nan elsewhere in the shard cannot leak into the sum.
-        out = v.local.sum(dim).masked_fill(torch.ones((), dtype=torch.bool, device=v.local.device), 0)
+        zero = v.local.sum(dim, dtype=v.local.dtype)
+        out = zero.masked_fill(torch.ones((), dtype=torch.bool, device=v.local.device), 0)
     return SPValue(out, Partial(), node.meta["val"])
 
 
