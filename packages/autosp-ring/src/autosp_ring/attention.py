@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from autosp.analysis.attention import AttentionSite
+from autosp.analysis.attention import AttentionSite, hints
 from autosp.errors import AutoSPError
 from autosp.lowering import SDPA, sdpa_args
 from autosp.sharding.context import SPContext, SPValue
@@ -39,7 +39,7 @@ def check(site: AttentionSite, world: int) -> None:
         raise AutoSPError(f"attention {site.name} is a {site.spec.name!r} op; {SUPPORTED}; or use variant='ulysses'")
     if site.mask_shape is not None:
         raise AutoSPError(
-            f"attention {site.name} gets an attn_mask tensor {list(site.mask_shape)}, which ring attention cannot "
+            f"attention {site.name} gets an attn_mask tensor {hints(site.mask_shape)}, which ring attention cannot "
             f"split over the ring in general; {SUPPORTED}. Use is_causal=True instead of a causal mask, or "
             "variant='ulysses' for arbitrary masks"
         )

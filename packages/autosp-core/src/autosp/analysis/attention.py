@@ -65,12 +65,29 @@ class AttentionSite:
         return self.spec.layout.index(letter)
 
     def describe(self) -> str:
-        gqa = f", GQA {self.heads}:{self.kv_heads}" if self.heads != self.kv_heads else ""
-        mask = f", mask {list(self.mask_shape)}" if self.mask_shape is not None else ""
+        gqa = f", GQA {hint(self.heads)}:{hint(self.kv_heads)}" if self.heads != self.kv_heads else ""
+        mask = f", mask {hints(self.mask_shape)}" if self.mask_shape is not None else ""
         return (
-            f"{self.name} [{self.spec.name}] B={self.batch} H={self.heads} S={self.seq_len} D={self.head_dim}"
+            f"{self.name} [{self.spec.name}] B={hint(self.batch)} H={hint(self.heads)} S={hint(self.seq_len)} "
+            f"D={hint(self.head_dim)}"
             f"{gqa}{', causal' if self.is_causal else ''}{mask}"
         )
+
+
+def hint(n: Any) -> Any:
+    """A size as this call's number, for messages: a symbolic length prints as its value, not ``s70``.
+
+    Reads the size hint without adding a guard, so a message never specialises the graph.
+    """
+    if isinstance(n, torch.SymInt):
+        from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+        return optimization_hint(n, fallback=-1)
+    return n
+
+
+def hints(shape: Any) -> list[Any]:
+    return [hint(n) for n in shape]
 
 
 def _meta(node: Any) -> Any:
@@ -136,4 +153,4 @@ def find_attention_sites(gm: torch.fx.GraphModule, specs: Sequence[AttentionSpec
     return sites
 
 
-__all__ = ["SDPA_SIGNATURE", "AttentionSite", "AttentionSpec", "find_attention_sites", "site_from_node"]
+__all__ = ["SDPA_SIGNATURE", "AttentionSite", "AttentionSpec", "find_attention_sites", "hint", "hints", "site_from_node"]
