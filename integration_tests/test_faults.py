@@ -21,11 +21,13 @@ import time
 import zipfile
 from pathlib import Path
 
+import faults_workers
 import pytest
 import torch
 from autosp_tools import checkpoint
 from autosp_tools.launch import RankFailed
 from autosp_tools.train import TrainConfigError, run
+from harness import run_spmd
 
 TIMEOUT_S = 8
 # The job must end within the collective timeout plus this, counted from the fault.
@@ -109,6 +111,15 @@ def test_killed_rank_then_resume_auto_loses_nothing(tmp_path: Path, monkeypatch:
     # Exactly the state saved: the same floats, not merely close ones.
     assert resumed.losses == whole.losses[4:]
     assert checkpoint.load(checkpoint.path_for(ckpt, 6))["losses"] == whole.losses
+
+
+def test_timeout_reaches_subgroups_made_without_one() -> None:
+    # The dp and sp groups of a device mesh are such subgroups.
+    late_s = 10.0
+    results = run_spmd(faults_workers.subgroup_timeout, 2, late_s)
+    assert results[0] is not None, "rank 0 waited for the late rank: the subgroup kept the 30-minute default"
+    error, waited = results[0]
+    assert "Timed out" in error and waited < late_s - 3, (error, waited)
 
 
 def _largest_tensor_offset(path: Path) -> tuple[int, int]:

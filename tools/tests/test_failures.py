@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 from autosp_tools import faults
-from autosp_tools.failures import COMPILE_GRACE_S, Record, death, diagnose, is_comm_error, stalled
+from autosp_tools.failures import Record, death, diagnose, is_comm_error, stalled
 from autosp_tools.heartbeat import BETWEEN, DONE, IN_STEP, SETUP, RankBeat
+from autosp_tools.timeouts import COMPILE_GRACE_S
 
 RESET = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:1: "
          "Connection reset by peer.")
@@ -85,6 +86,9 @@ def test_watchdog_limits() -> None:
     first = [beat(1, since=now - COMPILE_GRACE_S, finished=0), beat(0, SETUP, since=now - COMPILE_GRACE_S, finished=0)]
     assert stalled(first, exits, 8, now) is None
     assert stalled([beat(6, DONE, since=0.0), beat(6, DONE, since=0.0)], {0: 0, 1: 0}, 8, now) is None
+    # One that finished training but never exits is stuck too.
+    verdict = stalled([beat(6, DONE, since=now - 60)], {0: None}, 8, now)
+    assert verdict is not None and verdict.startswith("no progress: rank 0 after training (shutting down)")
 
 
 @pytest.mark.parametrize("value", ["1:3", "x:3:raise", "1:3:explode", "1:0:raise", "1:3:raise:extra"])

@@ -22,13 +22,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from autosp_tools.heartbeat import DONE, IN_STEP, RankBeat
-
-# The first step compiles (Dynamo, AutoSP's passes, the inner compiler): it may take
-# this much longer than the others before the launcher calls it stuck.
-COMPILE_GRACE_S = 600.0
-# A rank may be this much slower than --timeout before the watchdog steps in, so that a
-# collective timeout, which names the waiting rank, speaks first.
-SLACK_S = 10.0
+from autosp_tools.timeouts import COMPILE_GRACE_S, SLACK_S
 
 # gloo raises plain RuntimeErrors; these phrases mark the ones about peers and timeouts.
 _COMM_MARKERS = ("/gloo/", "Connection reset by peer", "Connection closed by peer", "Broken pipe", "Timed out waiting")
@@ -113,10 +107,11 @@ def _for(beats: list[RankBeat], r: int, now: float) -> str:
 
 def stalled(beats: list[RankBeat], exits: dict[int, int | None], timeout_s: float, now: float) -> str | None:
     """The watchdog's verdict when no rank has failed: None, or why the job must end."""
-    stuck = [r for r, b in enumerate(beats) if exits[r] is None and now - b.since > limit_s(b, timeout_s)]
-    if not stuck:
+    watched = [r for r in range(len(beats)) if exits[r] is None]
+    if not any(now - beats[r].since > limit_s(beats[r], timeout_s) for r in watched):
         return None
-    parts = "; ".join(f"rank {r} {_for(beats, r, now)}" for r in stuck)
+    # Name every rank still working, not only the first over its limit: they are usually stuck together.
+    parts = "; ".join(f"rank {r} {_for(beats, r, now)}" for r in watched)
     return (f"no progress: {parts}. Each step must end within --timeout {timeout_s:g} s plus "
             f"max({SLACK_S:g} s, twice the slowest step) (the first, which compiles, {COMPILE_GRACE_S:g} s more); "
             "ending the job. If steps are legitimately this slow, raise --timeout.")
@@ -169,5 +164,5 @@ def conclusive(records: dict[int, Record], exits: dict[int, int | None], beats: 
         r not in records and gone(code, beats[r]) for r, code in exits.items())
 
 
-__all__ = ["COMPILE_GRACE_S", "SLACK_S", "Record", "conclusive", "death", "diagnose", "gone", "is_comm_error",
+__all__ = ["Record", "conclusive", "death", "diagnose", "gone", "is_comm_error",
            "limit_s", "read_records", "stalled", "write_record"]

@@ -32,7 +32,7 @@ class RankBeat:
             return f"in step {self.step}"
         if self.phase == BETWEEN:
             return f"after step {self.step} (logging or writing a checkpoint)"
-        return "done"
+        return "after training (shutting down)"
 
 
 class Heartbeat:

@@ -8,12 +8,12 @@ within a second instead of waiting for their timeout.
 The launcher watches the ranks while they run: the moment one fails it ends the
 others and reports the first failure (not the lowest rank's "connection reset"), and
 a step watchdog ends a job whose ranks stopped sending heartbeats (see ``heartbeat``).
-Every collective gives up after ``cfg.timeout`` seconds, spawned or under torchrun.
+Every collective gives up after ``cfg.timeout`` seconds (the first step after 10 more
+minutes, see ``timeouts``), spawned or under torchrun.
 """
 
 from __future__ import annotations
 
-import datetime
 import os
 import pickle
 import sys
@@ -28,11 +28,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from autosp_tools import failures, heartbeat
+from autosp_tools import failures, heartbeat, timeouts
 
 R = TypeVar("R")
-# Without --timeout (the benchmarks), a collective waits this long for a peer instead of gloo's 30 minutes.
-DEFAULT_TIMEOUT_S = 600.0
 # After a first communication error, how long to let the real cause show (a peer's
 # exception or death) before calling the silent ranks stuck.
 SETTLE_S = 3.0
@@ -41,10 +39,6 @@ POLL_S = 0.25
 
 class RankFailed(RuntimeError):
     """A spawned rank failed or stopped responding; the message names it and the step."""
-
-
-def timeout_of(cfg: Any) -> datetime.timedelta:
-    return datetime.timedelta(seconds=float(getattr(cfg, "timeout", None) or DEFAULT_TIMEOUT_S))
 
 
 def launch(fn: Callable[[Any, int, int], R], cfg: Any, *, always_spawn: bool = False) -> R:
@@ -63,7 +57,7 @@ def launch(fn: Callable[[Any, int, int], R], cfg: Any, *, always_spawn: bool = F
 def _torchrun(fn: Callable[[Any, int, int], R], cfg: Any) -> R:
     owns = not dist.is_initialized()
     if owns:
-        dist.init_process_group("gloo", init_method="env://", timeout=timeout_of(cfg))
+        dist.init_process_group("gloo", init_method="env://", timeout=timeouts.first_step(cfg))
     try:
         return fn(cfg, dist.get_rank(), dist.get_world_size())
     finally:
@@ -78,7 +72,7 @@ def _worker(rank: int, world: int, store_path: str, out_dir: str, fn: Callable[[
     heartbeat.install(beat)
     try:
         store = dist.FileStore(store_path, world)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout_of(cfg))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeouts.first_step(cfg))
         result = fn(cfg, rank, world)
         if rank == 0:
             tmp = Path(out_dir, "result.tmp")
@@ -118,7 +112,7 @@ def _spawn_ranks(fn: Callable[[Any, int, int], R], cfg: Any, threads: int) -> R:
         try:
             for p in procs:
                 p.start()
-            _watch(procs, board, tmp, timeout_of(cfg).total_seconds())
+            _watch(procs, board, tmp, timeouts.of(cfg))
         finally:
             _stop(procs)
         return pickle.loads(Path(tmp, "result.pkl").read_bytes())
@@ -162,4 +156,4 @@ def _stop(procs: list[Any]) -> None:
             p.join()
 
 
-__all__ = ["DEFAULT_TIMEOUT_S", "RankFailed", "launch", "timeout_of"]
+__all__ = ["RankFailed", "launch"]

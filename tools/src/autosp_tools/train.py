@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from autosp_tools import checkpoint, faults, heartbeat, parallel
+from autosp_tools import checkpoint, faults, heartbeat, parallel, timeouts
 from autosp_tools.config import (
     BACKENDS,
     SAC_CHOICES,
@@ -124,6 +124,7 @@ def train(cfg: TrainConfig, rank: int = 0, world: int = 1) -> TrainResult:
         for t in model.state_dict().values():
             dist.broadcast(t, src=0)
     groups = parallel.make_groups(cfg.dp_size, cfg.sp_size, world)
+    timeouts.apply(timeouts.first_step(cfg))  # the mesh's subgroups would otherwise wait 30 minutes
     if cfg.deepspeed is None:
         parallel.shard_model(cfg.data_parallel, model, groups)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
@@ -185,6 +186,9 @@ def train(cfg: TrainConfig, rank: int = 0, world: int = 1) -> TrainResult:
         losses.append(float(parallel.mean_over_dp(trainer.step(ids, lr, hook), groups)))
         times.append(time.perf_counter() - t0)
         heartbeat.step_finished(n)
+        if step == start:
+            # Compiled; from now on --timeout holds, also on groups AutoSP made while compiling.
+            timeouts.apply(timeouts.steady(cfg))
 
         if step == start and cfg.show_report and lead and cfg.backend != "none":
             print("\n\n".join(str(r) for r in getattr(program, "autosp_reports", [])), flush=True)
