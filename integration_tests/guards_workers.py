@@ -69,12 +69,18 @@ def rank_raises(rank: int, world: int, timeout: float) -> dict[str, Any]:
     Rank 1 then waits in a barrier of the world group (its own, longer timeout) until rank 0
     has failed, so both move on to the next case together.
     """
-    out: dict[str, Any] = {}
+    from autosp.options import group_timeout
+
+    # Groups AutoSP makes: timeout= when given, else the world's (harness: 120 s), not gloo's 30 min.
+    out: dict[str, Any] = {"group_timeouts": [
+        group_timeout(autosp.backend(sp_size=1).group).total_seconds(),
+        group_timeout(autosp.backend(sp_size=2, timeout=timeout).group).total_seconds(),
+    ]}
     ids = _ids(2, 32)
 
     def case(name: str, check_inputs: str, before_backward: bool) -> None:
         compiled = autosp.compile(build("llama"), backend="eager", timeout=timeout, check_inputs=check_inputs)
-        compiled(ids, ids).backward()  # one good step
+        compiled(ids, ids).backward()  # one good step (rank 1 compiles slower: see below)
         loss = compiled(ids, ids) if before_backward else None
         if rank == 1:
             try:
@@ -85,7 +91,23 @@ def rank_raises(rank: int, world: int, timeout: float) -> dict[str, Any]:
             out[name] = attempt(loss.backward if before_backward else lambda: compiled(ids, ids).backward())
         dist.barrier()
 
-    case("check", "shapes", before_backward=False)
+    # Compile time is not collective time: rank 1's backward compiles 2.5 timeouts slower, and the
+    # first step still runs (the backward compiles with the forward, then the ranks wait for each
+    # other on the world's timeout).
+    from autosp.passes.manager import PassManager, Stage
+
+    run_passes = PassManager.run
+
+    def slow_backward(self: Any, stage: Stage, gm: Any, ctx: Any) -> Any:
+        if stage is Stage.BACKWARD and rank == 1:
+            time.sleep(2.5 * timeout)
+        return run_passes(self, stage, gm, ctx)
+
+    PassManager.run = slow_backward
+    try:
+        case("check", "shapes", before_backward=False)
+    finally:
+        PassManager.run = run_passes
     case("program", "off", before_backward=False)
     case("backward", "shapes", before_backward=True)
     return out

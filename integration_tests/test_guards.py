@@ -78,10 +78,11 @@ def test_backend_used_directly_checks_inside_the_graph(faults):
 
 def test_rank_that_raises_and_stays_alive():
     (r0, r1) = run_spmd(guards_workers.rank_raises, 2, TIMEOUT_S)
-    assert r1 == {}
+    assert r0["group_timeouts"] == r1["group_timeouts"] == [120.0, TIMEOUT_S]
+    assert set(r1) == {"group_timeouts"}
     for key, where in (("check", "the input check"), ("program", "a collective of the SP program")):
         msg = _error(r0[key], "CollectiveFailure", rf"global rank 0: {where}", r"global ranks \[0, 1\]",
-                     rf"within timeout={TIMEOUT_S:g} s", r"raised an error, exited or hangs")
+                     rf"within the group's timeout \({TIMEOUT_S:g} s\)", r"raised an error, exited or hangs")
         assert "Timed out" in msg
         # Bounded by the SP group's timeout, not gloo's 30 minutes.
         assert TIMEOUT_S * 0.9 <= r0[key]["seconds"] < TIMEOUT_S + FAST_S, r0[key]

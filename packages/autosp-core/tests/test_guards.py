@@ -191,7 +191,7 @@ def _guarded(fn):
 
     torch._dynamo.reset()
     compiled = torch.compile(fn, backend=record, dynamic=False)
-    return GuardedCall(compiled, fn, None, None, runs, None)
+    return GuardedCall(compiled, fn, None, None, runs)
 
 
 def _double(x):
@@ -217,7 +217,7 @@ def test_suppressed_errors_do_not_turn_autosp_errors_into_eager():
 
     runs = GraphRuns()
     torch._dynamo.reset()
-    call = GuardedCall(torch.compile(_double, backend=refuse), _double, None, None, runs, None)
+    call = GuardedCall(torch.compile(_double, backend=refuse), _double, None, None, runs)
     with torch._dynamo.config.patch(suppress_errors=True):
         with pytest.raises(AutoSPError, match="stand-in for any AutoSP refusal"):
             call(torch.ones(3))
@@ -244,7 +244,7 @@ def test_guarded_module_keeps_its_type_and_hooks():
     compiled = torch.compile(model, backend=lambda gm, ex: runs.wrap(gm.forward))
     seen = []
     compiled.register_forward_pre_hook(lambda mod, args: seen.append(args[0].shape))
-    guarded = guard_compiled(compiled, model, GuardedCall(compiled.forward, model, None, None, runs, None))
+    guarded = guard_compiled(compiled, model, GuardedCall(compiled.forward, model, None, None, runs))
     assert guarded is compiled and isinstance(guarded, torch._dynamo.eval_frame.OptimizedModule)
     x = torch.randn(1, 4, 16)
     torch.testing.assert_close(guarded(x), model(x))

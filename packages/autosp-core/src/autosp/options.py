@@ -34,8 +34,10 @@ class SPOptions:
             scalar values of every non-parameter input, one small all-gather), "hash" (also a
             fingerprint of every input tensor's contents) or "off" (``False`` means "off").
         timeout: seconds (or a ``timedelta``) after which a collective of AutoSP fails when
-            another SP rank does not take part; AutoSP creates its SP group with it. ``None``:
-            the process group's own timeout. Not with ``group=`` (give your group its timeout).
+            another SP rank does not take part; AutoSP creates its SP group with it. Compiles
+            do not count: before the first run of a new graph the ranks wait for each other on
+            the world's timeout. ``None``: the world's timeout (also for the subgroups AutoSP
+            makes). Not with ``group=``: create your group with its timeout.
     """
 
     sp_size: int | None = None
@@ -109,8 +111,37 @@ def resolve_group(options: SPOptions) -> tuple[Any, int]:
         raise ConfigError(
             f"sp_size={sp} is smaller than the given group ({size} ranks); pass the SP group itself as group="
         )
-    group, _ = dist.new_subgroups(group_size=sp, timeout=options.timeout_delta)
+    # Without timeout=, the subgroups keep the world's timeout: new_subgroups would give them the
+    # backend's default instead (30 min for gloo), whatever init_process_group was told.
+    timeout = options.timeout_delta or group_timeout(parent)
+    group, _ = dist.new_subgroups(group_size=sp, timeout=timeout)
     return group, sp
 
 
-__all__ = ["BACKENDS", "Backend", "SPOptions", "resolve_group"]
+def compile_sync_group(options: SPOptions, world: int) -> Any:
+    """With ``timeout=``: the SP ranks again, with the world's timeout, to wait for each other's compiles.
+
+    A rank that compiles slower (Inductor, a cold cache) must not trip the short timeout of the
+    SP group in the first collective of a new graph. ``None`` without ``timeout=`` (the SP group
+    then has the world's timeout itself) or without SP.
+    """
+    if options.timeout is None or world == 1:
+        return None
+    parent = dist.group.WORLD  # timeout= with group= is refused, so AutoSP made the SP group from the world
+    timeout = group_timeout(parent)
+    if world == dist.get_world_size(parent):
+        return dist.new_group(timeout=timeout)
+    group, _ = dist.new_subgroups(group_size=world, timeout=timeout)
+    return group
+
+
+def group_timeout(group: Any) -> timedelta | None:
+    """The timeout a process group was made with (``None`` if its backend does not say)."""
+    try:
+        backends = [group._get_backend(device) for device in group._device_types]
+        return next(b.options._timeout for b in backends if hasattr(b, "options"))
+    except (AttributeError, RuntimeError, StopIteration):
+        return None
+
+
+__all__ = ["BACKENDS", "Backend", "SPOptions", "compile_sync_group", "group_timeout", "resolve_group"]
