@@ -107,3 +107,13 @@ def test_clean_stale_removes_what_an_interrupted_save_left(three: Path) -> None:
     assert [p.name for p in checkpoint.checkpoints(three)] == [f"step_0000000{i}.pt" for i in (1, 2, 3)]
     assert all(checkpoint.problem(p) is None for p in checkpoint.checkpoints(three))
     assert mine.exists()
+
+
+def test_a_checkpoint_without_checksum_can_be_vouched_for(tmp_path: Path) -> None:
+    path = checkpoint.save(tmp_path, state(4))
+    checkpoint.checksum_path(path).unlink()  # as an older autosp-train wrote it
+    why = checkpoint.problem(path)
+    assert why is not None and f"sha256sum {path} > {path}.sha256" in why
+    # What that command writes: the digest and the path as given.
+    checkpoint.checksum_path(path).write_text(f"{hashlib.sha256(path.read_bytes()).hexdigest()}  {path}\n")
+    assert checkpoint.problem(path) is None

@@ -97,7 +97,8 @@ def problem(path: str | Path) -> str | None:
         return "is empty (0 bytes)"
     sums = checksum_path(p)
     if not sums.is_file():
-        return f"has no checksum file {sums.name} (written by an older autosp-train, or copied without it)"
+        return (f"has no checksum file {sums.name} (written by an older autosp-train, or copied without it; "
+                f"if you trust the file, vouch for it with: sha256sum {p} > {sums})")
     fields = sums.read_text(errors="replace").split()
     if not fields or len(fields[0]) != 64:
         return f"its checksum file {sums.name} is unreadable"

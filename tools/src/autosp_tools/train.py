@@ -11,6 +11,11 @@ so the loop below is an ordinary single-device loop. With several SP groups
 dp x sp mesh: each SP group trains on different rows of the global batch and
 DDP, FSDP2 or DeepSpeed ZeRO averages gradients over the dp group only
 (see ``autosp_tools.parallel``).
+
+Every flag is checked before a process starts (``config``). Checkpoints carry a
+checksum and ``--resume auto`` takes the newest good one (``checkpoint``). A rank
+that fails or stops responding ends the job within ``--timeout`` with a message
+naming it and its step (``launch``, ``failures``, ``heartbeat``, ``timeouts``).
 """
 
 from __future__ import annotations
