@@ -9,6 +9,7 @@
 from autosp.analysis.attention import AttentionSite, AttentionSpec
 from autosp.api import AutoSPBackend, backend, compile, explain
 from autosp.errors import AutoSPError, ConfigError, VerificationError
+from autosp.guards import CollectiveFailure, EagerFallback, InputMismatch
 from autosp.hardware import HardwareProfile
 from autosp.hookspecs import hookimpl
 from autosp.options import SPOptions
@@ -24,8 +25,11 @@ __all__ = [
     "AttentionSpec",
     "AutoSPBackend",
     "AutoSPError",
+    "CollectiveFailure",
     "ConfigError",
+    "EagerFallback",
     "HardwareProfile",
+    "InputMismatch",
     "Pass",
     "Report",
     "SPOptions",
