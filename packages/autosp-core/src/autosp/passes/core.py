@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from autosp.analysis.attention import find_attention_sites
+from autosp.analysis.attention import find_attention_sites, hint
 from autosp.context import CompileContext
 from autosp.errors import AutoSPError
 from autosp.lowering import SDPA, insert_leaves, lower_to_aten
@@ -26,15 +26,6 @@ def _concrete(n: int | torch.SymInt) -> int | torch.SymInt:
     if isinstance(n, torch.SymInt):
         value = n.node.maybe_as_int()
         return n if value is None else value
-    return n
-
-
-def _number(n: int | torch.SymInt) -> int:
-    """The value of a size in this call, for messages (no guard is added)."""
-    if isinstance(n, torch.SymInt):
-        from torch.fx.experimental.symbolic_shapes import optimization_hint
-
-        return optimization_hint(n, fallback=-1)
     return n
 
 
@@ -60,13 +51,13 @@ def find_attention(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
     # With a symbolic length these comparisons become guards: a length that breaks them recompiles.
     if any(n != seq for n in lengths):
         raise AutoSPError(
-            f"attention sites disagree on the sequence length ({sorted({_number(n) for n in lengths})}); "
+            f"attention sites disagree on the sequence length ({sorted({hint(n) for n in lengths})}); "
             "AutoSP shards self-attention over one sequence; cross-attention with another length is not supported"
         )
     if seq % ctx.world:
         # A symbolic length prints as its symbol (s70): say this call's length, which the user knows.
         raise AutoSPError(
-            f"sequence length {_number(seq)} is not divisible by sp_size={ctx.world}; pad the batch to a multiple "
+            f"sequence length {hint(seq)} is not divisible by sp_size={ctx.world}; pad the batch to a multiple "
             f"of {ctx.world} tokens (mask or ignore the padding in the loss)"
         )
     for site in ctx.sites:
