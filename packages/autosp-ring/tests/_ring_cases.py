@@ -163,6 +163,12 @@ def op_errors(rank: int, world: int, cfg: tuple) -> list[float]:
     return [(a - full[:, :, part]).abs().max().item() for a, full in pairs]
 
 
+def _resolve(group_name: str) -> Any:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name)
+
+
 def run(rank: int, world: int, jobs: list[tuple], b: dict, memory: list[str], ops: list[tuple] = ()) -> dict[str, Any]:
     """Each job (name, variant, options): loss, grads and report; ``memory``: saved bytes per model (sac off);
     ``ops``: op-level configurations checked against SDPA."""
@@ -185,6 +191,14 @@ def run(rank: int, world: int, jobs: list[tuple], b: dict, memory: list[str], op
         out["sac"] = dict(report.sac)
         out["notes"] = list(report.notes)
         results[f"{name}/{variant}"] = out
+    from autosp.options import group_timeout
+    from autosp_ring.hybrid import _GROUPS
+
+    # The hybrid subgroups' timeouts, next to the world's (new_group alone would give them 30 minutes).
+    results["group_timeouts"] = {
+        "world": group_timeout(torch.distributed.group.WORLD),
+        "hybrid": [group_timeout(_resolve(n)) for g in _GROUPS.values() for n in (g.ulysses, g.ring)],
+    }
     for name in memory:
         compiled = compile_model(name, "ring", world, None, sac=False)
         step(compiled, name, b)

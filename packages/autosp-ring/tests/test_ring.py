@@ -98,6 +98,11 @@ def test_hybrid_exchanges_heads_and_rings_across(four):
     assert any("ulysses_degree=2 x ring_degree=2" in n for n in r["notes"]), r["notes"]
 
 
+def test_hybrid_subgroups_keep_the_sp_groups_timeout(four):
+    timeouts = four[0]["group_timeouts"]
+    assert timeouts["hybrid"] and all(t == timeouts["world"] for t in timeouts["hybrid"]), timeouts
+
+
 def test_gqa_sends_kv_heads_only(two):
     # The model repeats kv heads; the k/v the ring carries are the un-repeated ones.
     assert any("exchange k/v before repeat" in n for n in two[0]["llama/ring"]["notes"])

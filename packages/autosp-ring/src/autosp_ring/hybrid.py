@@ -18,6 +18,7 @@ import torch.distributed as dist
 from autosp.analysis.attention import AttentionSite
 from autosp.context import CompileContext
 from autosp.errors import AutoSPError, ConfigError
+from autosp.options import group_timeout
 from autosp.sharding import collectives as C
 from autosp.sharding.context import SPContext, SPValue
 from autosp.sharding.placement import SeqAxis, Shard
@@ -76,8 +77,10 @@ def make_groups(ctx: CompileContext) -> Groups:
         i, j = divmod(ctx.rank, u)
         # Only members join each group (local synchronization), so other SP groups may differ.
         # Every rank creates its ulysses group first, then its ring group: no waiting cycle.
-        ug = dist.new_group(ranks[i * u : (i + 1) * u], use_local_synchronization=True)
-        rg = dist.new_group(ranks[j::u], use_local_synchronization=True)
+        # new_group would give them torch's 30-minute default, not the SP group's timeout.
+        timeout = group_timeout(ctx.group)
+        ug = dist.new_group(ranks[i * u : (i + 1) * u], use_local_synchronization=True, timeout=timeout)
+        rg = dist.new_group(ranks[j::u], use_local_synchronization=True, timeout=timeout)
         _GROUPS[key] = Groups(ug.group_name, rg.group_name, u)
     ctx.report.notes.append(f"hybrid: ulysses_degree={u} x ring_degree={ctx.world // u}")
     return _GROUPS[key]
