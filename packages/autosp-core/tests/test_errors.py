@@ -42,15 +42,16 @@ def test_sp_size_needs_a_process_group():
 def test_unknown_and_uninstalled_variants(fresh_registry, monkeypatch):
     from autosp.registry import reset_registry
 
-    # Whether or not autosp-ring is installed here, a blocked one is "not installed".
+    # Whether or not autosp-ring is installed here, a blocked one is named as blocked.
     monkeypatch.setenv(BLOCK_ENV, "autosp-ring")
     reset_registry()
     reg = get_registry()
     with pytest.raises(ConfigError, match=r"unknown SP variant 'nope'; installed variants: ulysses$"):
         reg.variant("nope")
-    with pytest.raises(ConfigError, match=r"'ring' is provided by the autosp-ring package.*pip install autosp-ring"):
+    with pytest.raises(ConfigError, match=r"'ring' is provided by the autosp-ring package, which is blocked by "
+                                          r"AUTOSP_BLOCK_PLUGINS: remove 'autosp-ring' from it"):
         reg.variant("ring")
-    with pytest.raises(ConfigError, match=r"autosp-ring package.*pip install autosp-ring"):
+    with pytest.raises(ConfigError, match=r"autosp-ring package, which is blocked"):
         reg.variant("hybrid")
     monkeypatch.setenv(BLOCK_ENV, "autosp-ulysses,autosp-ring")
     reset_registry()
@@ -94,7 +95,7 @@ def test_spmd_unknown_variant(spmd_errors):
 def test_spmd_variant_not_installed(spmd_errors):
     kind, msg = _on_every_rank(spmd_errors, "ring_variant")
     assert kind == "ConfigError"
-    assert "autosp-ring package" in msg and "pip install autosp-ring" in msg
+    assert "autosp-ring package, which is blocked by AUTOSP_BLOCK_PLUGINS" in msg
 
 
 def test_spmd_sp_size_not_dividing_group(spmd_errors):
@@ -159,3 +160,20 @@ def test_spmd_dynamic_shapes_work_or_fail_clearly(spmd_errors):
 def test_autosp_error_hierarchy():
     assert issubclass(ConfigError, AutoSPError) and issubclass(ConfigError, ValueError)
     assert issubclass(AutoSPError, RuntimeError)
+
+
+def test_sac_true_without_autosp_sac_is_an_error(fresh_registry, monkeypatch):
+    from autosp.registry import reset_registry
+
+    monkeypatch.setenv(BLOCK_ENV, "autosp-sac")
+    reset_registry()
+    reg = get_registry()
+    with pytest.raises(ConfigError, match=r"sac=True needs the autosp-sac package, which is blocked by "
+                                          r"AUTOSP_BLOCK_PLUGINS: remove 'autosp-sac' from it"):
+        reg.require_sac(True)
+    reg.require_sac("auto")  # auto chooses among what is installed: the default partitioner here
+    reg.require_sac(False)
+    reg.manager.is_blocked = lambda name: False  # as if it were simply not installed
+    with pytest.raises(ConfigError, match=r"sac=True needs the autosp-sac package, which is not installed: "
+                                          r"pip install autosp-sac"):
+        reg.require_sac(True)

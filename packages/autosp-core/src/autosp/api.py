@@ -35,6 +35,7 @@ class AutoSPBackend:
         self.registry = get_registry()
         self.group, self.world = resolve_group(options)
         self.registry.variant(options.variant)
+        self.registry.require_sac(options.sac)
         self.reports: list[Report] = []
         self.sync_group = compile_sync_group(options, self.world)
         self.runs = GraphRuns()

@@ -26,6 +26,7 @@ from autosp.variants import KNOWN_PACKAGES, SPVariant
 ENTRY_POINT_GROUP = "autosp"
 BLOCK_ENV = "AUTOSP_BLOCK_PLUGINS"
 TRACE_ENV = "AUTOSP_TRACE_HOOKS"
+SAC_PREFIX = "sac."  # the names of autosp-sac's passes
 
 
 @dataclass
@@ -44,12 +45,19 @@ class Registry:
             return self.variants[name]
         package = KNOWN_PACKAGES.get(name)
         if package:
-            raise ConfigError(
-                f"SP variant {name!r} is provided by the {package} package, which is not installed "
-                f"(or is blocked): pip install {package}"
-            )
+            raise ConfigError(f"SP variant {name!r} is provided by the {package} package, {self._absent(package)}")
         known = sorted(self.variants) or ["none installed"]
         raise ConfigError(f"unknown SP variant {name!r}; installed variants: {', '.join(known)}")
+
+    def require_sac(self, sac: object) -> None:
+        """``sac=True`` asks for the checkpointing passes: without them it would silently compile without SAC."""
+        if sac is True and not any(name.startswith(SAC_PREFIX) for name in self.passes):
+            raise ConfigError(f"sac=True needs the autosp-sac package, {self._absent('autosp-sac')}")
+
+    def _absent(self, package: str) -> str:
+        if self.manager.is_blocked(package):
+            return f"which is blocked by {BLOCK_ENV}: remove {package!r} from it"
+        return f"which is not installed: pip install {package}"
 
     def plugin_names(self) -> list[str]:
         # pluggy keeps blocked names mapped to None.
