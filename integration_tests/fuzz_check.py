@@ -1,0 +1,112 @@
+"""Run a fuzz program under AutoSP on a pool of ranks and judge it against single-device eager.
+
+Outcomes: "ok" (loss and every gradient match on every rank), "refused" (every rank raised
+the same ``AutoSPError`` before communicating: a clear refusal is allowed) or a
+``FuzzFailure`` (a mismatch, any other exception, an inconsistent refusal, or a hang).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+import fuzz_programs as fp
+from spmd_pool import PoolTimeout, RankError, SPMDPool
+
+RTOL = ATOL = 1e-4
+
+
+class FuzzFailure(AssertionError):
+    """A program AutoSP got wrong; the message holds the spec, literally, to paste into a regression test."""
+
+
+def run_compiled(rank: int, world: int, spec: fp.Spec, variant: str, variant_options: dict[str, Any],
+                 disable_passes: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Worker task: build, compile with AutoSP, one forward and backward; loss and gradients as numpy."""
+    import torch._dynamo
+
+    import autosp
+
+    torch._dynamo.reset()
+    model, inputs = fp.build(spec)
+    compiled = autosp.compile(model, sp_size=world, variant=variant, variant_options=variant_options,
+                              disable_passes=disable_passes, backend="aot_eager", fullgraph=True)
+    result = fp.loss_and_grads(compiled, model, inputs)
+    return {
+        "loss": result["loss"].numpy(),
+        "grads": {n: None if g is None else g.numpy() for n, g in result["grads"].items()},
+    }
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).abs().max() / want.abs().max().clamp(min=1e-12))
+
+
+def compare(got: dict[str, Any], ref: dict[str, Any]) -> list[str]:
+    """What differs between one rank's result and the reference (empty: they match)."""
+    diffs = []
+    loss = torch.as_tensor(got["loss"])
+    if not torch.allclose(loss, ref["loss"], rtol=RTOL, atol=ATOL, equal_nan=False):
+        diffs.append(f"loss {loss.item():.6g} vs {ref['loss'].item():.6g}")
+    for name, want in ref["grads"].items():
+        g = got["grads"].get(name)
+        if (g is None) != (want is None):
+            have = ["None", "a gradient"]
+            diffs.append(f"grad of {name}: {have[g is not None]} vs {have[want is not None]} single-device")
+        elif want is not None:
+            g = torch.as_tensor(g)
+            if not torch.allclose(g, want, rtol=RTOL, atol=ATOL):
+                ratio = float((g * want).sum() / (want * want).sum().clamp(min=1e-30))
+                diffs.append(f"grad of {name}: max rel err {_rel(g, want):.3g}, <g,ref>/<ref,ref> = {ratio:.4g}")
+    return diffs
+
+
+@dataclass
+class Stats:
+    """What one fuzz run did: programs checked, refused (by message head), failed."""
+
+    ok: int = 0
+    refused: int = 0
+    refusals: Counter[str] = field(default_factory=Counter)
+
+    def summary(self, label: str) -> str:
+        top = "; ".join(f"{n}x {m}" for m, n in self.refusals.most_common(3))
+        return f"{label}: {self.ok + self.refused} programs, {self.ok} matched, {self.refused} refused" + (
+            f" ({top})" if top else "")
+
+
+def check_program(pool: SPMDPool, spec: fp.Spec, variant: str, variant_options: dict[str, Any] | None = None,
+                  stats: Stats | None = None, timeout_s: float = 180.0, disable_passes: tuple[str, ...] = ()) -> str:
+    """``"ok"`` or ``"refused"``; raises ``FuzzFailure`` saying what went wrong."""
+    options = variant_options or {}
+    where = f"variant={variant!r} {options or ''} P={pool.world}\n  {fp.describe(spec)}\n  spec = {json.dumps(spec)}"
+    ref = fp.reference(spec)
+    try:
+        per_rank = pool.run(run_compiled, spec, variant, options, tuple(disable_passes), timeout_s=timeout_s)
+    except PoolTimeout as e:
+        raise FuzzFailure(f"hang or crash: {e}\n{where}") from None
+    errors = [v for v in per_rank if isinstance(v, RankError)]
+    if errors:
+        first = errors[0]
+        same = len(errors) == pool.world and len({(e.type_name, e.message) for e in errors}) == 1
+        if same and first.is_a("AutoSPError"):
+            if stats is not None:
+                stats.refused += 1
+                stats.refusals[first.message.split(";")[0][:120]] += 1
+            return "refused"
+        kinds = sorted({f"{e.type_name}: {e.message[:300]}" for e in errors})
+        raise FuzzFailure(f"{len(errors)}/{pool.world} ranks raised {kinds}\n{where}\n{first.traceback[-3000:]}")
+    for rank, got in enumerate(per_rank):
+        diffs = compare(got, ref)
+        if diffs:
+            raise FuzzFailure(f"rank {rank} differs from single-device eager: {diffs[:6]}\n{where}")
+    if stats is not None:
+        stats.ok += 1
+    return "ok"
+
+
+__all__ = ["FuzzFailure", "Stats", "check_program", "compare", "run_compiled"]
