@@ -20,11 +20,11 @@ VOCAB = 32  # token ids and LM targets
 CLASSES = 3
 
 # Simplest first in every list: hypothesis shrinks towards the first element.
-MASKS = ("none", "causal", "bool_causal", "additive_causal", "window", "padding")
+MASKS = ("none", "causal", "bool_causal", "additive_causal", "window", "padding", "document")
 TENSOR_MASKS = MASKS[2:]
 SEQ_OPS = ("drop_first", "drop_last", "roll", "cat_token", "token_shift", "flip", "downsample")
 POOLS = ("mean", "first", "last", "sum", "amax", "logsumexp", "norm", "index_select", "gather",
-         "masked_mean", "last_valid", "attn_pool")
+         "masked_mean", "last_valid", "attn_pool", "std", "max")
 POOL_HEADS = ("ce", "weighted_ce", "margin", "bce", "mse", "contrastive")
 
 
@@ -104,23 +104,31 @@ class MLP(nn.Module):
         return x + out if self.residual else out
 
 
-def rope(t: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding of ``t`` [B, H, S, hd] at positions ``arange(S)``."""
+def rope(t: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Rotary embedding of ``t`` [B, H, S, hd] at ``positions`` [B, S] (default: ``arange(S)``)."""
     s, hd = t.shape[-2], t.shape[-1]
     inv = 1.0 / (100.0 ** (torch.arange(0, hd, 2, device=t.device, dtype=torch.float32) / hd))
-    ang = torch.arange(s, device=t.device, dtype=torch.float32)[:, None] * inv[None, :]
+    if positions is None:
+        ang = torch.arange(s, device=t.device, dtype=torch.float32)[:, None] * inv[None, :]  # [S, hd/2]
+    else:
+        ang = (positions.to(torch.float32)[..., None] * inv)[:, None]  # [B, 1, S, hd/2]
     cos, sin = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
     a, b = t.chunk(2, dim=-1)
     return t * cos + torch.cat([-b, a], dim=-1) * sin
 
 
 class Attention(nn.Module):
-    """A pre-norm (or not) attention block: q/k/v projections (fused or not), GQA, RoPE, a mask kind."""
+    """A pre-norm (or not) attention block: q/k/v projections (fused or not), GQA, RoPE, a mask kind.
+
+    Optional keys: ``positions`` ("arange", or "input": RoPE at the ``pos_ids`` input, which restart
+    at each packed document) and ``gqa`` ("repeat": HF's repeat_kv, or "sdpa": ``enable_gqa=True``).
+    """
 
     def __init__(self, op: Spec, dim: int, heads: int) -> None:
         super().__init__()
         self.heads, self.kv_heads, self.hd = heads, op["kv_heads"], dim // heads
         self.mask, self.residual, self.use_rope, self.fused = op["mask"], op["residual"], op["rope"], op["fused"]
+        self.positions, self.gqa = op.get("positions", "arange"), op.get("gqa", "repeat")
         self.norm = make_norm(op["norm"], dim) if op["norm"] != "none" else None
         kv = self.kv_heads * self.hd
         if self.fused:
@@ -142,6 +150,9 @@ class Attention(nn.Module):
             return torch.zeros(s, s, device=device).masked_fill(~causal, torch.finfo(torch.float32).min), False
         if self.mask == "window":
             return causal & (i[:, None] - i[None, :] < 3), False
+        if self.mask == "document":  # packed sequences: causal within each document of the ``doc`` input
+            doc = fit(batch["doc"], s)
+            return ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None], False
         # Right padding from the ``keep`` input: key 0 is always kept, so no row is fully masked.
         keys = fit(batch["keep"], s).bool()[:, None, None, :]
         return keys & causal, False
@@ -158,14 +169,21 @@ class Attention(nn.Module):
         k = k.view(b, s, self.kv_heads, self.hd).transpose(1, 2)
         v = v.view(b, s, self.kv_heads, self.hd).transpose(1, 2)
         if self.use_rope:
-            q, k = rope(q), rope(k)
+            positions = fit(batch["pos_ids"], s) if self.positions == "input" else None
+            q, k = rope(q, positions), rope(k, positions)
+        mask, causal = self.attn_mask(s, batch, x.device)
+        if self.kv_heads != self.heads and self.gqa == "sdpa":
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
+            return self.out(x, o)
         if self.kv_heads != self.heads:  # HF's repeat_kv
             n = self.heads // self.kv_heads
             k = k[:, :, None].expand(b, self.kv_heads, n, s, self.hd).reshape(b, self.heads, s, self.hd)
             v = v[:, :, None].expand(b, self.kv_heads, n, s, self.hd).reshape(b, self.heads, s, self.hd)
-        mask, causal = self.attn_mask(s, batch, x.device)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
-        o = self.o(o.transpose(1, 2).reshape(b, s, d))
+        return self.out(x, o)
+
+    def out(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        o = self.o(o.transpose(1, 2).reshape(x.shape))  # [B, H, S, hd] -> [B, S, D]
         return x + o if self.residual else o
 
 
@@ -282,15 +300,28 @@ def shifted(x: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 
 class LMLoss(nn.Module):
+    """Next-token cross entropy; optional keys ``smoothing`` (label smoothing), ``z_loss`` (PaLM's
+    log-partition penalty over the kept tokens) and ``tied`` (the output matrix is the embedding's)."""
+
     def __init__(self, head: Spec, dim: int) -> None:
         super().__init__()
         self.out, self.reduction = nn.Linear(dim, VOCAB), head["reduction"]
+        self.smoothing, self.z_loss = head.get("smoothing", 0.0), head.get("z_loss", False)
+
+    def tie(self, embedding: nn.Embedding) -> None:
+        self.out.weight = embedding.weight
 
     def forward(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
         h, tgt = shifted(x, batch["labels"])
-        logits = self.out(h)
-        loss = F.cross_entropy(logits.reshape(-1, VOCAB), tgt.reshape(-1), ignore_index=-100, reduction=self.reduction)
-        return loss / tgt.numel() if self.reduction == "sum" else loss
+        logits = self.out(h).reshape(-1, VOCAB)
+        loss = F.cross_entropy(logits, tgt.reshape(-1), ignore_index=-100, reduction=self.reduction,
+                               label_smoothing=self.smoothing)
+        if self.reduction == "sum":
+            loss = loss / tgt.numel()
+        if self.z_loss:
+            kept = (tgt.reshape(-1) != -100).to(logits.dtype)
+            loss = loss + 1e-2 * (torch.logsumexp(logits, dim=-1).pow(2) * kept).sum() / kept.sum()
+        return loss
 
 
 class SeqLogprobLoss(nn.Module):
@@ -349,6 +380,10 @@ class PoolLoss(nn.Module):
             return torch.logsumexp(x, dim=1)
         if p == "norm":
             return x.norm(dim=1)
+        if p == "std":  # statistics pooling (speech, x-vectors)
+            return x.std(dim=1)
+        if p == "max":
+            return x.max(dim=1).values
         if p == "index_select":  # every third token
             return x.index_select(1, torch.arange(0, s, 3, device=x.device)).mean(dim=1)
         if p == "gather":

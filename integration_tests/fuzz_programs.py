@@ -25,7 +25,7 @@ from torch import nn
 from fuzz_ops import (ACTS, BODY, CLASSES, LOSSES, MASKS, POOL_HEADS, POOLS, SEQ_OPS, TENSOR_MASKS, VOCAB, Attention,
                       PosEmbed, Spec, length_after)
 
-INPUTS = ("inp", "labels", "y", "w", "pos", "keep", "ref")
+INPUTS = ("inp", "labels", "y", "w", "pos", "keep", "ref", "doc", "pos_ids")
 
 
 def lengths(spec: Spec) -> list[int]:
@@ -56,9 +56,12 @@ class FuzzProgram(nn.Module):
         self.taps = [h["tap"] for h in spec["losses"]]
         self.coefs = [h["coef"] for h in spec["losses"]]
         self.losses = nn.ModuleList(LOSSES[h["kind"]](h, d) for h in spec["losses"])
+        for head, loss in zip(spec["losses"], self.losses):
+            if head.get("tied") and self.ids:  # GPT-2 style: the LM head's weight is the embedding's
+                loss.tie(self.inp)
 
-    def forward(self, inp, labels, y, w, pos, keep, ref) -> torch.Tensor:  # noqa: ANN001 - see INPUTS
-        batch = {"labels": labels, "y": y, "w": w, "pos": pos, "keep": keep, "ref": ref}
+    def forward(self, inp, labels, y, w, pos, keep, ref, doc, pos_ids) -> torch.Tensor:  # noqa: ANN001 - see INPUTS
+        batch = {"labels": labels, "y": y, "w": w, "pos": pos, "keep": keep, "ref": ref, "doc": doc, "pos_ids": pos_ids}
         x = self.inp(inp)
         xs = [x]
         for layer in self.body:
@@ -89,7 +92,13 @@ def make_inputs(spec: Spec) -> tuple[torch.Tensor, ...]:
     keep_len = torch.randint(s // 2, s + 1, (b,), generator=g).clamp(min=1)
     keep = (torch.arange(s)[None, :] < keep_len[:, None]).long()
     ref = torch.randn(b, generator=g) * 5
-    return inp, labels, y, w, pos, keep, ref
+    # Packed documents: ids rise at random boundaries, positions restart at each one.
+    starts = torch.rand(b, s, generator=g) < 0.15
+    starts[:, 0] = False
+    doc = starts.long().cumsum(dim=1)
+    idx = torch.arange(s).expand(b, s)
+    pos_ids = idx - torch.where(starts, idx, torch.zeros_like(idx)).cummax(dim=1).values
+    return inp, labels, y, w, pos, keep, ref, doc, pos_ids
 
 
 def build(spec: Spec) -> tuple[FuzzProgram, tuple[torch.Tensor, ...]]:
@@ -138,6 +147,8 @@ def attention_ops(heads: int, masks: tuple[str, ...]) -> st.SearchStrategy[Spec]
         "norm": st.sampled_from(["none", "layer", "rms"]),
         "rope": st.booleans(),
         "fused": st.booleans(),
+        "positions": st.sampled_from(["arange", "input"]),
+        "gqa": st.sampled_from(["repeat", "sdpa"]),
     })
 
 
@@ -171,7 +182,9 @@ def loss_heads(tap: st.SearchStrategy[int]) -> st.SearchStrategy[Spec]:
     by_kind = {
         "pool": st.fixed_dictionaries({"kind": st.just("pool"), "pool": st.sampled_from(POOLS),
                                        "head": st.sampled_from(POOL_HEADS), **common}),
-        "lm": st.fixed_dictionaries({"kind": st.just("lm"), "reduction": st.sampled_from(["mean", "sum"]), **common}),
+        "lm": st.fixed_dictionaries({"kind": st.just("lm"), "reduction": st.sampled_from(["mean", "sum"]),
+                                     "smoothing": st.sampled_from([0.0, 0.1]), "z_loss": st.booleans(),
+                                     "tied": st.booleans(), **common}),
         "seq_logprob": st.fixed_dictionaries({"kind": st.just("seq_logprob"), **common}),
         "token_mse": st.fixed_dictionaries({"kind": st.just("token_mse"), **common}),
     }
