@@ -8,6 +8,7 @@ the same ``AutoSPError`` before communicating: a clear refusal is allowed) or a
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +40,7 @@ def run_compiled(rank: int, world: int, spec: fp.Spec, variant: str, variant_opt
     return {
         "loss": result["loss"].numpy(),
         "grads": {n: None if g is None else g.numpy() for n, g in result["grads"].items()},
+        "fallbacks": [f for report in compiled.autosp_reports for f in report.fallbacks],
     }
 
 
@@ -67,16 +69,19 @@ def compare(got: dict[str, Any], ref: dict[str, Any]) -> list[str]:
 
 @dataclass
 class Stats:
-    """What one fuzz run did: programs checked, refused (by message head), failed."""
+    """What one fuzz run did: programs matched (and how many of them gathered somewhere), refused."""
 
     ok: int = 0
     refused: int = 0
+    gathered: int = 0  # matched programs in which AutoSP gathered for an op without a sharding rule
     refusals: Counter[str] = field(default_factory=Counter)
+    fallbacks: Counter[str] = field(default_factory=Counter)
 
     def summary(self, label: str) -> str:
         top = "; ".join(f"{n}x {m}" for m, n in self.refusals.most_common(3))
-        return f"{label}: {self.ok + self.refused} programs, {self.ok} matched, {self.refused} refused" + (
-            f" ({top})" if top else "")
+        gathers = "; ".join(f"{n}x {m}" for m, n in self.fallbacks.most_common(3))
+        return (f"{label}: {self.ok + self.refused} programs, {self.ok} matched ({self.gathered} with a gather"
+                + (f": {gathers}" if gathers else "") + f"), {self.refused} refused" + (f" ({top})" if top else ""))
 
 
 def check_program(pool: SPMDPool, spec: fp.Spec, variant: str, variant_options: dict[str, Any] | None = None,
@@ -106,6 +111,9 @@ def check_program(pool: SPMDPool, spec: fp.Spec, variant: str, variant_options: 
             raise FuzzFailure(f"rank {rank} differs from single-device eager: {diffs[:6]}\n{where}")
     if stats is not None:
         stats.ok += 1
+        fallbacks = per_rank[0]["fallbacks"]
+        stats.gathered += bool(fallbacks)
+        stats.fallbacks.update({re.sub(r"^\w+: ", "", f)[:80] for f in fallbacks})  # without node names
     return "ok"
 
 

@@ -58,9 +58,34 @@ def pools() -> Iterator[dict[int, SPMDPool]]:
 
 
 def pool_for(pools: dict[int, SPMDPool], world: int) -> SPMDPool:
+    """The pool of ``world`` ranks; one pool at a time, so that idle ranks do not hold memory."""
+    for other in [w for w in pools if w != world]:
+        pools.pop(other).close()
     if world not in pools:
         pools[world] = SPMDPool(world)
     return pools[world]
+
+
+# A causal LM: loss over tokens, labels shifted inside.
+LM = {"seed": 3, "batch": 2, "seq": 8, "dim": 16, "heads": 4, "input": "ids",
+      "body": [{"op": "attention", "mask": "causal", "kv_heads": 4, "residual": True, "norm": "rms", "rope": True,
+                "fused": False}],
+      "losses": [{"kind": "lm", "reduction": "mean", "tap": -1, "coef": 1.0}]}
+
+
+def test_check_catches_a_missing_gradient_all_reduce(pools: dict[int, SPMDPool]) -> None:
+    # The fuzzer must see a real SP bug: without the gradient all-reduce each rank keeps only its tokens' share.
+    pool = pool_for(pools, 2)
+    assert check_program(pool, LM, "ulysses") == "ok"
+    with pytest.raises(FuzzFailure, match="grad of"):
+        check_program(pool, LM, "ulysses", disable_passes=("autosp.sync_grads",))
+
+
+def test_pool_reports_a_hang_and_recovers(pools: dict[int, SPMDPool]) -> None:
+    pool = pool_for(pools, 2)
+    with pytest.raises(PoolTimeout, match=r"ranks \[1\] of 2: no answer"):
+        pool.run(sleep_on, [1], 600.0, timeout_s=3.0)
+    assert pool.run(sleep_on, [], 0.0) == [0, 1]
 
 
 @pytest.mark.parametrize(("world", "variant", "options"), CONFIGS, ids=[f"{v}-P{p}" for p, v, _ in CONFIGS])
@@ -88,25 +113,3 @@ def test_random_programs_match_single_device(pools: dict[int, SPMDPool], world: 
         record_property("fuzz", summary)
     # A fuzzer whose programs are mostly refused checks little.
     assert 3 * stats.ok >= stats.ok + stats.refused, summary
-
-
-# A causal LM: loss over tokens, labels shifted inside.
-LM = {"seed": 3, "batch": 2, "seq": 8, "dim": 16, "heads": 4, "input": "ids",
-      "body": [{"op": "attention", "mask": "causal", "kv_heads": 4, "residual": True, "norm": "rms", "rope": True,
-                "fused": False}],
-      "losses": [{"kind": "lm", "reduction": "mean", "tap": -1, "coef": 1.0}]}
-
-
-def test_check_catches_a_missing_gradient_all_reduce(pools: dict[int, SPMDPool]) -> None:
-    # The fuzzer must see a real SP bug: without the gradient all-reduce each rank keeps only its tokens' share.
-    pool = pool_for(pools, 2)
-    assert check_program(pool, LM, "ulysses") == "ok"
-    with pytest.raises(FuzzFailure, match="grad of"):
-        check_program(pool, LM, "ulysses", disable_passes=("autosp.sync_grads",))
-
-
-def test_pool_reports_a_hang_and_recovers(pools: dict[int, SPMDPool]) -> None:
-    pool = pool_for(pools, 2)
-    with pytest.raises(PoolTimeout, match=r"ranks \[1\] of 2: no answer"):
-        pool.run(sleep_on, [1], 600.0, timeout_s=3.0)
-    assert pool.run(sleep_on, [], 0.0) == [0, 1]
