@@ -22,9 +22,9 @@ CLASSES = 3
 # Simplest first in every list: hypothesis shrinks towards the first element.
 MASKS = ("none", "causal", "bool_causal", "additive_causal", "window", "padding", "document")
 TENSOR_MASKS = MASKS[2:]
-SEQ_OPS = ("drop_first", "drop_last", "roll", "cat_token", "token_shift", "flip", "downsample")
+SEQ_OPS = ("drop_first", "drop_last", "roll", "cat_token", "token_shift", "flip", "downsample", "stride2")
 POOLS = ("mean", "first", "last", "sum", "amax", "logsumexp", "norm", "index_select", "gather",
-         "masked_mean", "last_valid", "attn_pool", "std", "max")
+         "masked_mean", "last_valid", "attn_pool", "std", "max", "attn_map")
 POOL_HEADS = ("ce", "weighted_ce", "margin", "bce", "mse", "contrastive")
 
 
@@ -36,6 +36,8 @@ def length_after(op: Spec, s: int) -> int:
         return s + 1
     if op["op"] == "seq" and op["kind"] == "downsample":
         return s // 2
+    if op["op"] == "seq" and op["kind"] == "stride2":
+        return (s + 1) // 2
     return s
 
 
@@ -225,6 +227,8 @@ class SeqOp(nn.Module):
         if self.kind == "token_shift":  # RWKV-style: each token mixed with the one before it
             prev = F.pad(x, (0, 0, 1, 0))[:, :-1]
             return 0.5 * (x + prev)
+        if self.kind == "stride2":  # every other token
+            return x[:, ::2]
         if self.kind == "downsample":  # hourglass/funnel: mean of adjacent token pairs, half the length
             b, s, d = x.shape
             return x[:, : s - s % 2].reshape(b, s // 2, 2, d).mean(dim=2)
@@ -339,6 +343,25 @@ class SeqLogprobLoss(nn.Module):
         return -F.logsigmoid(0.1 * (tok.sum(dim=1) - batch["ref"])).mean()
 
 
+class GRPOLoss(nn.Module):
+    """GRPO/PPO-style policy loss: token log-ratio times a per-sequence advantage (``ref``), averaged
+    per sequence over its kept tokens then over the batch (``norm`` "sequence"), or over all kept
+    tokens of the batch (``norm`` "token", DAPO-style)."""
+
+    def __init__(self, head: Spec, dim: int) -> None:
+        super().__init__()
+        self.out, self.norm = nn.Linear(dim, VOCAB), head["norm"]
+
+    def forward(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
+        h, tgt = shifted(x, batch["labels"])
+        logp = F.log_softmax(self.out(h), dim=-1).gather(-1, tgt.clamp(min=0)[..., None]).squeeze(-1)
+        kept = (tgt != -100).to(logp.dtype)
+        per_token = -torch.exp(logp - logp.detach()) * batch["ref"][:, None] * kept
+        if self.norm == "sequence":
+            return (per_token.sum(dim=1) / kept.sum(dim=1).clamp(min=1)).mean()
+        return per_token.sum() / kept.sum()
+
+
 class TokenMSELoss(nn.Module):
     """A per-token regression averaged over the tokens the ``keep`` mask selects."""
 
@@ -362,6 +385,8 @@ class PoolLoss(nn.Module):
         self.out = nn.Linear(dim, width)
         if self.pool == "attn_pool":
             self.score = nn.Linear(dim, 1)
+        if self.pool == "attn_map":  # SigLIP's MAP head: a learned query attends over the sequence
+            self.query, self.kv = nn.Parameter(torch.randn(1, 4, 1, dim // 4)), nn.Linear(dim, 2 * dim)
 
     def pooled(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
         b, s, d = x.shape
@@ -394,6 +419,10 @@ class PoolLoss(nn.Module):
             return (x * m).sum(dim=1) / m.sum(dim=1)
         if p == "last_valid":  # HF sequence classification: the last non-padding token
             return x[torch.arange(b, device=x.device), keep.sum(dim=1) - 1]
+        if p == "attn_map":
+            k, v = self.kv(x).view(b, s, 2, 4, d // 4).permute(2, 0, 3, 1, 4)  # 2 x [B, 4, S, D/4]
+            o = F.scaled_dot_product_attention(self.query.expand(b, 4, 1, d // 4), k, v)  # [B, 4, 1, D/4]
+            return o.reshape(b, d)
         a = torch.softmax(self.score(x).squeeze(-1), dim=1)
         return (a[..., None] * x).sum(dim=1)
 
@@ -417,7 +446,7 @@ class PoolLoss(nn.Module):
         return F.mse_loss(score, batch["ref"] * 0.1)
 
 
-LOSSES = {"lm": LMLoss, "seq_logprob": SeqLogprobLoss, "token_mse": TokenMSELoss, "pool": PoolLoss}
+LOSSES = {"lm": LMLoss, "seq_logprob": SeqLogprobLoss, "token_mse": TokenMSELoss, "pool": PoolLoss, "grpo": GRPOLoss}
 
 
 BODY = {"linear": Linear, "norm": Norm, "act": Act, "mlp": MLP, "seq": SeqOp, "cumsum": Cumsum,

@@ -7,7 +7,8 @@ is what real models do along the sequence: token-wise linear/norm/activation, re
 attention (causal, masks built from ``arange``, padding, RoPE, GQA), shifts/rolls/slices,
 reductions and selections, cumsum, and losses over tokens and over the batch.
 
-Spec keys: ``seed``, ``batch``, ``seq``, ``dim``, ``heads``, ``input`` ("ids" or "float"),
+Spec keys: ``seed``, ``batch``, ``seq``, ``dim``, ``heads``, ``input`` ("ids" [B, S], "float"
+[B, S, D], or "float_sbd" [S, B, D]),
 ``body`` (a list of ops, each ``{"op": name, ...options}``, applied to ``x`` in order) and
 ``losses`` (a list of heads, each reading ``x`` after ``tap`` body ops, -1 meaning the end;
 the program returns their weighted sum).
@@ -40,7 +41,7 @@ class FuzzProgram(nn.Module):
     def __init__(self, spec: Spec) -> None:
         super().__init__()
         d = spec["dim"]
-        self.ids = spec["input"] == "ids"
+        self.ids, self.seq_first = spec["input"] == "ids", spec["input"] == "float_sbd"
         self.inp = nn.Embedding(VOCAB, d) if self.ids else nn.Linear(d, d)
         max_len = max(lengths(spec))
         layers: list[nn.Module] = []
@@ -62,7 +63,7 @@ class FuzzProgram(nn.Module):
 
     def forward(self, inp, labels, y, w, pos, keep, ref, doc, pos_ids) -> torch.Tensor:  # noqa: ANN001 - see INPUTS
         batch = {"labels": labels, "y": y, "w": w, "pos": pos, "keep": keep, "ref": ref, "doc": doc, "pos_ids": pos_ids}
-        x = self.inp(inp)
+        x = self.inp(inp.transpose(0, 1) if self.seq_first else inp)
         xs = [x]
         for layer in self.body:
             x = layer(x, batch)
@@ -82,6 +83,8 @@ def make_inputs(spec: Spec) -> tuple[torch.Tensor, ...]:
         inp = torch.randint(0, VOCAB, (b, s), generator=g)
     else:
         inp = torch.randn(b, s, d, generator=g)
+    if spec["input"] == "float_sbd":  # Megatron's layout: sequence first
+        inp = inp.transpose(0, 1).contiguous()
     labels = torch.randint(0, VOCAB, (b, s), generator=g)
     labels[torch.rand(b, s, generator=g) < 0.25] = -100
     labels[:, : s // 4] = -100  # a block of ignored tokens on the first rank's side
@@ -187,9 +190,11 @@ def loss_heads(tap: st.SearchStrategy[int]) -> st.SearchStrategy[Spec]:
                                      "tied": st.booleans(), **common}),
         "seq_logprob": st.fixed_dictionaries({"kind": st.just("seq_logprob"), **common}),
         "token_mse": st.fixed_dictionaries({"kind": st.just("token_mse"), **common}),
+        "grpo": st.fixed_dictionaries({"kind": st.just("grpo"), "norm": st.sampled_from(["sequence", "token"]),
+                                       **common}),
     }
     # Batch-level losses after a sequence reduction are where SP goes wrong most: half of the draws.
-    kinds = ["pool", "lm", "pool", "seq_logprob", "pool", "token_mse"]
+    kinds = ["pool", "lm", "pool", "seq_logprob", "pool", "token_mse", "pool", "grpo"]
     return st.sampled_from(kinds).flatmap(by_kind.__getitem__)
 
 
@@ -203,7 +208,8 @@ def programs(draw: st.DrawFn, world: int, masks: tuple[str, ...] = MASKS, max_bo
     at = draw(st.integers(0, len(body)))
     body.insert(at, draw(attention_ops(heads, masks)))
     spec: Spec = {"seed": draw(st.integers(0, 2**16)), "batch": draw(st.integers(1, 3)), "seq": seq,
-                  "dim": dim, "heads": heads, "input": draw(st.sampled_from(["ids", "float"])), "body": body}
+                  "dim": dim, "heads": heads, "input": draw(st.sampled_from(["ids", "float", "float_sbd"])),
+                  "body": body}
     assume(min(lengths(spec)) >= 3)
     # The first loss reads the end of the program; a second may tap any point (a multi-task or auxiliary loss).
     first = draw(loss_heads(st.just(-1)))
