@@ -22,9 +22,10 @@ CLASSES = 3
 # Simplest first in every list: hypothesis shrinks towards the first element.
 MASKS = ("none", "causal", "bool_causal", "additive_causal", "window", "padding", "document")
 TENSOR_MASKS = MASKS[2:]
-SEQ_OPS = ("drop_first", "drop_last", "roll", "cat_token", "token_shift", "flip", "downsample", "stride2")
+SEQ_OPS = ("drop_first", "drop_last", "roll", "cat_token", "token_shift", "flip", "downsample", "stride2",
+           "flip_add", "roll_add")
 POOLS = ("mean", "first", "last", "sum", "amax", "logsumexp", "norm", "index_select", "gather",
-         "masked_mean", "last_valid", "attn_pool", "std", "max", "attn_map")
+         "masked_mean", "last_valid", "attn_pool", "std", "max", "attn_map", "topk", "hf_last")
 POOL_HEADS = ("ce", "weighted_ce", "margin", "bce", "mse", "contrastive")
 
 
@@ -232,6 +233,10 @@ class SeqOp(nn.Module):
         if self.kind == "downsample":  # hourglass/funnel: mean of adjacent token pairs, half the length
             b, s, d = x.shape
             return x[:, : s - s % 2].reshape(b, s // 2, 2, d).mean(dim=2)
+        if self.kind == "flip_add":  # position t meets position S-1-t (bidirectional mixing)
+            return x + 0.5 * torch.flip(x, dims=[1])
+        if self.kind == "roll_add":
+            return x + 0.5 * torch.roll(x, -2, dims=1)
         return torch.flip(x, dims=[1])
 
 
@@ -259,6 +264,8 @@ class SeqStat(nn.Module):
             return x * torch.sigmoid(x.mean(dim=1, keepdim=True))
         if self.kind == "center":
             return x - x.mean(dim=1, keepdim=True)
+        if self.kind == "global_norm":  # over batch, sequence and features at once
+            return x * (x.numel() ** 0.5) / x.norm()
         return x / (x.amax(dim=1, keepdim=True).abs() + 1.0)
 
 
@@ -419,6 +426,12 @@ class PoolLoss(nn.Module):
             return (x * m).sum(dim=1) / m.sum(dim=1)
         if p == "last_valid":  # HF sequence classification: the last non-padding token
             return x[torch.arange(b, device=x.device), keep.sum(dim=1) - 1]
+        if p == "topk":  # token routing (Mixture-of-Depths style): the 3 highest-scoring tokens
+            idx = x.norm(dim=-1).topk(min(3, s), dim=1).indices  # [B, k]
+            return x.gather(1, idx[..., None].expand(b, idx.shape[1], d)).mean(dim=1)
+        if p == "hf_last":  # HF *ForSequenceClassification: first pad token - 1, modulo the length
+            last = (keep == 0).int().argmax(dim=-1) - 1
+            return x[torch.arange(b, device=x.device), last % s]
         if p == "attn_map":
             k, v = self.kv(x).view(b, s, 2, 4, d // 4).permute(2, 0, 3, 1, 4)  # 2 x [B, 4, S, D/4]
             o = F.scaled_dot_product_attention(self.query.expand(b, 4, 1, d // 4), k, v)  # [B, 4, 1, D/4]

@@ -169,7 +169,7 @@ def body_ops(heads: int, masks: tuple[str, ...]) -> st.SearchStrategy[Spec]:
     )
     along_sequence = st.one_of(
         op("cumsum", kind=st.sampled_from(["sum", "mean"])),
-        op("seq_stat", kind=st.sampled_from(["gate_mean", "center", "scale_amax"])),
+        op("seq_stat", kind=st.sampled_from(["gate_mean", "center", "scale_amax", "global_norm"])),
         op("pos_embed"),
         op("mask_tail", k=st.integers(1, 3)),
         op("conv"),
