@@ -25,20 +25,21 @@ class FuzzFailure(AssertionError):
     """A program AutoSP got wrong; the message holds the spec, literally, to paste into a regression test."""
 
 
-def run_compiled(rank: int, world: int, spec: fp.Spec, variant: str, variant_options: dict[str, Any],
-                 disable_passes: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Worker task: build, compile with AutoSP, one forward and backward; loss and gradients as numpy."""
+def run_compiled(rank: int, world: int, spec: fp.Spec, options: dict[str, Any]) -> dict[str, Any]:
+    """Worker task: build, ``autosp.compile(model, sp_size=world, **options)``, run the steps.
+
+    Returns the losses and accumulated gradients as numpy, and what AutoSP gathered.
+    """
     import torch._dynamo
 
     import autosp
 
     torch._dynamo.reset()
-    model, inputs = fp.build(spec)
-    compiled = autosp.compile(model, sp_size=world, variant=variant, variant_options=variant_options,
-                              disable_passes=disable_passes, backend="aot_eager", fullgraph=True)
-    result = fp.loss_and_grads(compiled, model, inputs)
+    model, batches = fp.build(spec)
+    compiled = autosp.compile(model, sp_size=world, **options)
+    result = fp.run_steps(compiled, model, batches)
     return {
-        "loss": result["loss"].numpy(),
+        "losses": result["losses"].numpy(),
         "grads": {n: None if g is None else g.numpy() for n, g in result["grads"].items()},
         "fallbacks": [f for report in compiled.autosp_reports for f in report.fallbacks],
     }
@@ -51,9 +52,9 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 def compare(got: dict[str, Any], ref: dict[str, Any]) -> list[str]:
     """What differs between one rank's result and the reference (empty: they match)."""
     diffs = []
-    loss = torch.as_tensor(got["loss"])
-    if not torch.allclose(loss, ref["loss"], rtol=RTOL, atol=ATOL, equal_nan=False):
-        diffs.append(f"loss {loss.item():.6g} vs {ref['loss'].item():.6g}")
+    losses = torch.as_tensor(got["losses"])
+    if not torch.allclose(losses, ref["losses"], rtol=RTOL, atol=ATOL, equal_nan=False):
+        diffs.append(f"losses per step {losses.tolist()} vs {ref['losses'].tolist()}")
     for name, want in ref["grads"].items():
         g = got["grads"].get(name)
         if (g is None) != (want is None):
@@ -85,13 +86,18 @@ class Stats:
 
 
 def check_program(pool: SPMDPool, spec: fp.Spec, variant: str, variant_options: dict[str, Any] | None = None,
-                  stats: Stats | None = None, timeout_s: float = 180.0, disable_passes: tuple[str, ...] = ()) -> str:
-    """``"ok"`` or ``"refused"``; raises ``FuzzFailure`` saying what went wrong."""
-    options = variant_options or {}
-    where = f"variant={variant!r} {options or ''} P={pool.world}\n  {fp.describe(spec)}\n  spec = {json.dumps(spec)}"
+                  stats: Stats | None = None, timeout_s: float = 180.0, **compile_options: Any) -> str:
+    """``"ok"`` or ``"refused"``; raises ``FuzzFailure`` saying what went wrong.
+
+    ``compile_options`` go to ``autosp.compile`` (default ``backend="aot_eager"``, ``fullgraph=True``).
+    """
+    options = {"variant": variant, "variant_options": variant_options or {}, "backend": "aot_eager",
+               "fullgraph": True, **compile_options}
+    shown = {k: v for k, v in options.items() if k not in ("variant", "fullgraph") and v}
+    where = f"variant={variant!r} {shown} P={pool.world}\n  {fp.describe(spec)}\n  spec = {json.dumps(spec)}"
     ref = fp.reference(spec)
     try:
-        per_rank = pool.run(run_compiled, spec, variant, options, tuple(disable_passes), timeout_s=timeout_s)
+        per_rank = pool.run(run_compiled, spec, options, timeout_s=timeout_s)
     except PoolTimeout as e:
         raise FuzzFailure(f"hang or crash: {e}\n{where}") from None
     errors = [v for v in per_rank if isinstance(v, RankError)]

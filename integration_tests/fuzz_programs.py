@@ -75,9 +75,13 @@ class FuzzProgram(nn.Module):
         return total
 
 
-def make_inputs(spec: Spec) -> tuple[torch.Tensor, ...]:
-    """The program's inputs, in ``INPUTS`` order, from ``spec["seed"] + 1``."""
-    g = torch.Generator().manual_seed(spec["seed"] + 1)
+# Two calls per program: the second reuses the compiled graph on new inputs, and gradients accumulate.
+STEPS = 2
+
+
+def make_inputs(spec: Spec, step: int = 0) -> tuple[torch.Tensor, ...]:
+    """The program's inputs for one call, in ``INPUTS`` order, from ``spec["seed"] + 1 + 1000 * step``."""
+    g = torch.Generator().manual_seed(spec["seed"] + 1 + 1000 * step)
     b, s, d = spec["batch"], spec["seq"], spec["dim"]
     if spec["input"] == "ids":
         inp = torch.randint(0, VOCAB, (b, s), generator=g)
@@ -104,25 +108,32 @@ def make_inputs(spec: Spec) -> tuple[torch.Tensor, ...]:
     return inp, labels, y, w, pos, keep, ref, doc, pos_ids
 
 
-def build(spec: Spec) -> tuple[FuzzProgram, tuple[torch.Tensor, ...]]:
+Batches = list[tuple[torch.Tensor, ...]]
+
+
+def build(spec: Spec) -> tuple[FuzzProgram, Batches]:
+    """The program (parameters from ``spec["seed"]``) and its inputs for each of the ``STEPS`` calls."""
     torch.manual_seed(spec["seed"])
-    return FuzzProgram(spec), make_inputs(spec)
+    return FuzzProgram(spec), [make_inputs(spec, step) for step in range(STEPS)]
 
 
-def loss_and_grads(model: nn.Module, params: nn.Module, inputs: tuple[torch.Tensor, ...]) -> dict[str, Any]:
-    """One forward and backward; the loss and every parameter gradient (None: no gradient)."""
-    loss = model(*inputs)
-    loss.backward()
+def run_steps(model: nn.Module, params: nn.Module, batches: Batches) -> dict[str, Any]:
+    """A forward and backward per batch; the losses and every parameter's accumulated gradient (or None)."""
+    losses = []
+    for inputs in batches:
+        loss = model(*inputs)
+        loss.backward()
+        losses.append(loss.detach().clone())
     return {
-        "loss": loss.detach().clone(),
+        "losses": torch.stack(losses),
         "grads": {n: None if p.grad is None else p.grad.detach().clone() for n, p in params.named_parameters()},
     }
 
 
 def reference(spec: Spec) -> dict[str, Any]:
-    """Single-device eager loss and gradients."""
-    model, inputs = build(spec)
-    return loss_and_grads(model, model, inputs)
+    """Single-device eager losses and gradients."""
+    model, batches = build(spec)
+    return run_steps(model, model, batches)
 
 
 def describe(spec: Spec) -> str:
@@ -218,5 +229,5 @@ def programs(draw: st.DrawFn, world: int, masks: tuple[str, ...] = MASKS, max_bo
     return spec
 
 
-__all__ = ["INPUTS", "MASKS", "TENSOR_MASKS", "FuzzProgram", "Spec", "build", "describe", "lengths",
-           "loss_and_grads", "make_inputs", "programs", "reference"]
+__all__ = ["INPUTS", "MASKS", "STEPS", "TENSOR_MASKS", "FuzzProgram", "Spec", "build", "describe", "lengths",
+           "make_inputs", "programs", "reference", "run_steps"]

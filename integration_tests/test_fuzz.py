@@ -10,7 +10,9 @@ that is not a match fails, and hypothesis shrinks it to a minimal program.
 The examples are fixed (a seed per configuration, no example database): CI runs the same
 programs every time, and different configurations different programs.
 ``AUTOSP_FUZZ_EXAMPLES=N`` runs N per configuration instead of the CI budget;
-``AUTOSP_FUZZ_SEED=K`` shifts every configuration's seed (to explore beyond the CI programs).
+``AUTOSP_FUZZ_SEED=K`` shifts every configuration's seed (to explore beyond the CI programs);
+``AUTOSP_FUZZ_BACKEND`` (default ``aot_eager``) and ``AUTOSP_FUZZ_SAC`` (``auto``, ``true`` or
+``false``; default ``auto``) choose the compile options.
 """
 
 from __future__ import annotations
@@ -30,6 +32,10 @@ from spmd_pool import PoolTimeout, SPMDPool, sleep_on
 CI_EXAMPLES = 16
 EXAMPLES = int(os.environ.get("AUTOSP_FUZZ_EXAMPLES", CI_EXAMPLES))
 SEED_SHIFT = int(os.environ.get("AUTOSP_FUZZ_SEED", 0))
+COMPILE_OPTIONS = {
+    "backend": os.environ.get("AUTOSP_FUZZ_BACKEND", "aot_eager"),
+    "sac": {"true": True, "false": False}.get(os.environ.get("AUTOSP_FUZZ_SAC", "auto").lower(), "auto"),
+}
 
 CONFIGS = [  # (P, variant, variant_options)
     (2, "ulysses", {}),
@@ -103,7 +109,7 @@ def test_random_programs_match_single_device(pools: dict[int, SPMDPool], world: 
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
     @given(fp.programs(world, masks=masks))
     def check(spec: fp.Spec) -> None:
-        check_program(pool, spec, variant, options, stats)
+        check_program(pool, spec, variant, options, stats, **COMPILE_OPTIONS)
 
     try:
         check()
