@@ -485,6 +485,11 @@ for lay in ("even", "zigzag"):
     case(aten.linalg_vector_norm.default, f"over-seq-{lay}", args(x3, 2, [1]), shard(1, lay))
     case(aten.index_select.default, f"seq-{lay}", args(x3, 1, lit(torch.tensor([0, S - 1, 7]))), shard(1, lay), R)
     case(aten.gather.default, f"seq-{lay}", args(x3, 1, lambda g: ints(g, S, B, 3, D)), shard(1, lay), R)
+    # Token log-probs: logp.gather(-1, labels[..., None]), labels sharded like logp or whole.
+    case(aten.gather.default, f"token-logp-{lay}", args(x3, 2, lambda g: ints(g, D, B, S, 1)), shard(1, lay),
+         shard(1, lay), expect=(Shard,))
+    case(aten.gather.default, f"token-logp-whole-labels-{lay}", args(x3, -1, lambda g: ints(g, D, B, S, 2)),
+         shard(1, lay), rs(1), expect=(Shard,))
     case(aten.index.Tensor, f"seq-{lay}", args(x3, [None, lit(torch.tensor([S - 1, 2]))]), shard(1, lay), R)
     case(aten.diagonal.default, f"[S,S]-rows-{lay}", args(sq), shard(0, lay))
     case(aten.argmax.default, f"over-seq-{lay}", args(x3, 1), shard(1, lay))
@@ -494,6 +499,12 @@ for lay in ("even", "zigzag"):
     case(aten.cumsum.default, f"partial-{lay}", args(lambda g: randn(g, B, 3), 1), Partial())
 case(aten.cumsum.default, "over-D", args(x3, 2), shard(1, "uneven"))
 case(aten.amax.default, "partial", args(lambda g: randn(g, B, D), [1]), Partial())
+case(aten.gather.default, "token-logp-sharded-labels-only", args(x3, 2, lambda g: ints(g, D, B, S, 1)), R,
+     shard(1, "zigzag"), expect=(Shard,))
+case(aten.gather.default, "index-shorter-on-seq", args(x3, 2, lambda g: ints(g, D, B, S - 2, 1)), shard(1), R)
+case(aten.gather.default, "folded-[B*S,V]", args(lambda g: randn(g, B * S, D), 1, lambda g: ints(g, D, B * S, 1)),
+     shard(0, "zigzag", length=S), R, expect=(Shard,))
+case(aten.gather.default, "replicated", args(x3, 2, lambda g: ints(g, D, B, S, 1)), rs(1), R)
 
 
 def _case_seed(c: Case) -> int:

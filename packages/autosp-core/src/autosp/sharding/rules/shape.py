@@ -247,6 +247,26 @@ def cat_rule(ctx, node, args, kwargs):
 
 
 
+@rule(aten.gather.default)
+def gather_rule(ctx, node, args, kwargs):
+    """``x.gather(d, index)`` along a dim other than the sequence: token-wise, so it stays sharded.
+
+    ``out[.., j, .., k] = x[.., j, .., index[.., j, .., k]]`` pairs position j of ``index`` with
+    position j of ``x``, so both cut to the same intervals give exactly this rank's output
+    (DPO's and GRPO's ``logp.gather(-1, labels[..., None])``).
+    """
+    x, index = args[0], args[2]
+    dim = normalize_dim(args[1], x.ndim)
+    lead = next((v.placement for v in (x, index) if isinstance(v.placement, Shard)), None)
+    if lead is None:
+        return replicated(ctx, node, args, kwargs)
+    sdim = lead.axis.dim
+    if sdim == dim or x.ndim != index.ndim or x.gval.shape[sdim] != index.gval.shape[sdim]:
+        return fallback(ctx, node, args, kwargs)
+    local = aten.gather(to_shard(ctx, x, sdim, lead), dim, to_shard(ctx, index, sdim, lead), **kwargs)
+    return SPValue(local, Shard(lead.axis, lead.ranges), node.meta["val"])
+
+
 @rule(aten.sym_size.int, accepts=(Partial, HeadShard))
 def sym_size_rule(ctx, node, args, kwargs):
     # Shapes in the graph are global sizes; rules derive the local ones, so answer globally.
