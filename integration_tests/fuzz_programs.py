@@ -2,13 +2,13 @@
 
 A program is a *spec*: a plain JSON-able dict, so a failing one can be written out literally
 as a regression test. ``build(spec)`` turns it into the same ``nn.Module`` and inputs in any
-process (parameters from ``spec["seed"]``, inputs from ``spec["seed"] + 1``). The vocabulary
+process (parameters from ``spec["seed"]``, the inputs of each call from it too). The vocabulary
 is what real models do along the sequence: token-wise linear/norm/activation, residuals,
 attention (causal, masks built from ``arange``, padding, RoPE, GQA), shifts/rolls/slices,
 reductions and selections, cumsum, and losses over tokens and over the batch.
 
 Spec keys: ``seed``, ``batch``, ``seq``, ``dim``, ``heads``, ``input`` ("ids" [B, S], "float"
-[B, S, D], or "float_sbd" [S, B, D]),
+[B, S, D], or "float_sbd" [S, B, D]), ``proj`` (False: a float input is used without an input layer),
 ``body`` (a list of ops, each ``{"op": name, ...options}``, applied to ``x`` in order) and
 ``losses`` (a list of heads, each reading ``x`` after ``tap`` body ops, -1 meaning the end;
 the program returns their weighted sum).
@@ -42,7 +42,8 @@ class FuzzProgram(nn.Module):
         super().__init__()
         d = spec["dim"]
         self.ids, self.seq_first = spec["input"] == "ids", spec["input"] == "float_sbd"
-        self.inp = nn.Embedding(VOCAB, d) if self.ids else nn.Linear(d, d)
+        # A float input enters through a linear layer, or (``"proj": False``) as the activations themselves.
+        self.inp = nn.Embedding(VOCAB, d) if self.ids else nn.Linear(d, d) if spec.get("proj", True) else nn.Identity()
         max_len = max(lengths(spec))
         layers: list[nn.Module] = []
         for op in spec["body"]:
@@ -220,7 +221,7 @@ def programs(draw: st.DrawFn, world: int, masks: tuple[str, ...] = MASKS, max_bo
     body.insert(at, draw(attention_ops(heads, masks)))
     spec: Spec = {"seed": draw(st.integers(0, 2**16)), "batch": draw(st.integers(1, 3)), "seq": seq,
                   "dim": dim, "heads": heads, "input": draw(st.sampled_from(["ids", "float", "float_sbd"])),
-                  "body": body}
+                  "body": body, "proj": draw(st.booleans())}
     assume(min(lengths(spec)) >= 3)
     # The first loss reads the end of the program; a second may tap any point (a multi-task or auxiliary loss).
     first = draw(loss_heads(st.just(-1)))
