@@ -207,6 +207,26 @@ class ManualAttention(nn.Module):
         return x + torch.softmax(scores, dim=-1) @ self.v(x)
 
 
+class LinearAttention(nn.Module):
+    """Causal linear attention in its parallel form (RetNet, linear transformers): the score matrix
+    [B, S, S] is triangled with ``tril`` itself, optionally decayed by distance; or only its
+    ``diagonal`` (each token with itself) is used."""
+
+    def __init__(self, op: Spec, dim: int) -> None:
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.kind = op["kind"]
+
+    def forward(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
+        scores = self.q(x) @ self.k(x).transpose(1, 2) / x.shape[-1]  # [B, S, S]
+        if self.kind == "diagonal":
+            return x + scores.diagonal(dim1=1, dim2=2)[..., None] * self.v(x)
+        if self.kind == "decay":
+            i = torch.arange(x.shape[1], device=x.device)
+            scores = scores * 0.9 ** (i[:, None] - i[None, :]).clamp(min=0).to(x.dtype)
+        return x + scores.tril() @ self.v(x)
+
+
 class SeqOp(nn.Module):
     """Shifts, rolls, slices and flips along the sequence; ``cat_token`` prepends a learned token."""
 
@@ -463,7 +483,8 @@ LOSSES = {"lm": LMLoss, "seq_logprob": SeqLogprobLoss, "token_mse": TokenMSELoss
 
 
 BODY = {"linear": Linear, "norm": Norm, "act": Act, "mlp": MLP, "seq": SeqOp, "cumsum": Cumsum,
-        "seq_stat": SeqStat, "mask_tail": MaskTail, "conv": Conv, "manual_attention": ManualAttention}
+        "seq_stat": SeqStat, "mask_tail": MaskTail, "conv": Conv, "manual_attention": ManualAttention,
+        "linear_attention": LinearAttention}
 
 
 __all__ = ["ACTS", "BODY", "CLASSES", "LOSSES", "MASKS", "POOLS", "POOL_HEADS", "SEQ_OPS", "TENSOR_MASKS", "VOCAB",

@@ -186,6 +186,7 @@ def body_ops(heads: int, masks: tuple[str, ...]) -> st.SearchStrategy[Spec]:
         op("mask_tail", k=st.integers(1, 3)),
         op("conv"),
         op("manual_attention", causal=st.booleans()),
+        op("linear_attention", kind=st.sampled_from(["tril", "decay", "diagonal"])),
     )
     groups = {"tokenwise": tokenwise, "attention": attention_ops(heads, masks),
               "seq": op("seq", kind=st.sampled_from(SEQ_OPS)), "along_sequence": along_sequence}
