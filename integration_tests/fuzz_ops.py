@@ -323,10 +323,13 @@ class Conv(nn.Module):
 # ---- losses: each maps x [B, S, D] (and the batch) to a scalar ----
 
 
-def shifted(x: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Next-token alignment inside the model: x at t predicts labels at t+1, whatever x's length."""
+def shifted(x: torch.Tensor, labels: torch.Tensor, shift: str = "next") -> tuple[torch.Tensor, torch.Tensor]:
+    """Alignment inside the model, whatever x's length: x at t predicts labels at t+1 (``shift``
+    "next", a causal LM), or at t-1 ("prev", a backward LM: the hidden states are cut at the front)."""
     s_x, s = x.shape[1], labels.shape[1]
     n = min(s_x, s) - 1
+    if shift == "prev":
+        return x[:, s_x - n :], labels[:, s - n - 1 : s - 1]
     return x[:, s_x - n - 1 : s_x - 1], labels[:, s - n :]
 
 
@@ -336,6 +339,7 @@ class LMLoss(nn.Module):
 
     def __init__(self, head: Spec, dim: int) -> None:
         super().__init__()
+        self.shift = head.get("shift", "next")
         self.out, self.reduction = nn.Linear(dim, VOCAB), head["reduction"]
         self.smoothing, self.z_loss = head.get("smoothing", 0.0), head.get("z_loss", False)
 
@@ -343,7 +347,7 @@ class LMLoss(nn.Module):
         self.out.weight = embedding.weight
 
     def forward(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
-        h, tgt = shifted(x, batch["labels"])
+        h, tgt = shifted(x, batch["labels"], self.shift)
         logits = self.out(h).reshape(-1, VOCAB)
         loss = F.cross_entropy(logits, tgt.reshape(-1), ignore_index=-100, reduction=self.reduction,
                                label_smoothing=self.smoothing)
@@ -360,10 +364,11 @@ class SeqLogprobLoss(nn.Module):
 
     def __init__(self, head: Spec, dim: int) -> None:
         super().__init__()
+        self.shift = head.get("shift", "next")
         self.out = nn.Linear(dim, VOCAB)
 
     def forward(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
-        h, tgt = shifted(x, batch["labels"])
+        h, tgt = shifted(x, batch["labels"], self.shift)
         logp = F.log_softmax(self.out(h), dim=-1)
         valid = tgt != -100
         tok = logp.gather(-1, tgt.clamp(min=0)[..., None]).squeeze(-1) * valid
@@ -377,10 +382,11 @@ class GRPOLoss(nn.Module):
 
     def __init__(self, head: Spec, dim: int) -> None:
         super().__init__()
+        self.shift = head.get("shift", "next")
         self.out, self.norm = nn.Linear(dim, VOCAB), head["norm"]
 
     def forward(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
-        h, tgt = shifted(x, batch["labels"])
+        h, tgt = shifted(x, batch["labels"], self.shift)
         logp = F.log_softmax(self.out(h), dim=-1).gather(-1, tgt.clamp(min=0)[..., None]).squeeze(-1)
         kept = (tgt != -100).to(logp.dtype)
         per_token = -torch.exp(logp - logp.detach()) * batch["ref"][:, None] * kept

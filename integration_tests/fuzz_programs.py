@@ -195,16 +195,17 @@ def body_ops(heads: int, masks: tuple[str, ...]) -> st.SearchStrategy[Spec]:
 
 def loss_heads(tap: st.SearchStrategy[int]) -> st.SearchStrategy[Spec]:
     common = {"tap": tap, "coef": st.sampled_from([1.0, 0.5])}
+    shift = st.sampled_from(["next", "prev"])
     by_kind = {
         "pool": st.fixed_dictionaries({"kind": st.just("pool"), "pool": st.sampled_from(POOLS),
                                        "head": st.sampled_from(POOL_HEADS), **common}),
         "lm": st.fixed_dictionaries({"kind": st.just("lm"), "reduction": st.sampled_from(["mean", "sum"]),
                                      "smoothing": st.sampled_from([0.0, 0.1]), "z_loss": st.booleans(),
-                                     "tied": st.booleans(), **common}),
-        "seq_logprob": st.fixed_dictionaries({"kind": st.just("seq_logprob"), **common}),
+                                     "tied": st.booleans(), "shift": shift, **common}),
+        "seq_logprob": st.fixed_dictionaries({"kind": st.just("seq_logprob"), "shift": shift, **common}),
         "token_mse": st.fixed_dictionaries({"kind": st.just("token_mse"), **common}),
         "grpo": st.fixed_dictionaries({"kind": st.just("grpo"), "norm": st.sampled_from(["sequence", "token"]),
-                                       **common}),
+                                       "shift": shift, **common}),
     }
     # Batch-level losses after a sequence reduction are where SP goes wrong most: half of the draws.
     kinds = ["pool", "lm", "pool", "seq_logprob", "pool", "token_mse", "pool", "grpo"]
