@@ -91,7 +91,15 @@ def pools() -> Iterator[dict[int, SPMDPool]]:
         pool.close()
 
 
-PARAMS = [pytest.param(*c[1:4], c[4] if len(c) > 4 else {}, id=f"{c[0]}-{c[1]}-P{c[2]}") for c in CASES]
+# Open bug, not yet fixed: kept running so the fix flips it (strict). Not silent: one rank raises, the
+# other fails at the group's timeout.
+OPEN = {"label-smoothing-inductor": "Inductor asserts 16-byte alignment of autosp.reduce_scatter's input, "
+                                    "which is a view at a rank-dependent offset (a fallback gather's backward)"}
+PARAMS = [
+    pytest.param(*c[1:4], c[4] if len(c) > 4 else {}, id=f"{c[0]}-{c[1]}-P{c[2]}",
+                 marks=[pytest.mark.xfail(strict=True, reason=OPEN[c[0]])] if c[0] in OPEN else [])
+    for c in CASES
+]
 
 
 @pytest.mark.parametrize(("variant", "world", "spec", "compile_options"), PARAMS)
