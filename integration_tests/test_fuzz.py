@@ -3,7 +3,8 @@
 Each example is a program from ``fuzz_programs`` (token-wise ops, attention with and without
 masks, shifts and slices, reductions and selections along the sequence, losses over tokens
 and over the batch), compiled with every installed variant at P=2 and P=4 on a persistent
-pool of gloo ranks, and compared for the loss and every parameter gradient on every rank.
+pool of gloo ranks, called twice (new inputs, same graph), and compared with single-device eager
+for both losses and every accumulated parameter gradient on every rank (rtol = atol = 1e-4).
 A clear ``AutoSPError`` on every rank counts as a refusal, reported apart; anything else
 that is not a match fails, and hypothesis shrinks it to a minimal program.
 
