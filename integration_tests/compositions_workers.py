@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch.distributed as dist
+
 from autosp_tools.model import ModelConfig, build_model
 from autosp_tools.parallel import deepspeed_config, deepspeed_trainer, make_groups
 

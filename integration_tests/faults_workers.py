@@ -7,6 +7,7 @@ import time
 
 import torch
 import torch.distributed as dist
+
 from autosp_tools import timeouts
 
 

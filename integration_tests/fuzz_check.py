@@ -13,9 +13,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 import fuzz_programs as fp
+import torch
 from spmd_pool import PoolTimeout, RankError, SPMDPool
 
 RTOL = ATOL = 1e-4

@@ -19,12 +19,25 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from fuzz_ops import (
+    ACTS,
+    BODY,
+    CLASSES,
+    LOSSES,
+    MASKS,
+    POOL_HEADS,
+    POOLS,
+    SEQ_OPS,
+    TENSOR_MASKS,
+    VOCAB,
+    Attention,
+    PosEmbed,
+    Spec,
+    length_after,
+)
 from hypothesis import assume
 from hypothesis import strategies as st
 from torch import nn
-
-from fuzz_ops import (ACTS, BODY, CLASSES, LOSSES, MASKS, POOL_HEADS, POOLS, SEQ_OPS, TENSOR_MASKS, VOCAB, Attention,
-                      PosEmbed, Spec, length_after)
 
 INPUTS = ("inp", "labels", "y", "w", "pos", "keep", "ref", "doc", "pos_ids")
 

@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from cases import build
 
 import autosp
-from cases import build
 
 
 def _ids(batch: int, seq: int, seed: int = 0) -> torch.Tensor:

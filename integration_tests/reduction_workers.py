@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-
-import autosp
 from cases import caches_off
 from reduction_models import build, inputs
+
+import autosp
 
 
 def step(model: Any, name: str, seq: int) -> dict[str, Any]:

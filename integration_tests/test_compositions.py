@@ -10,8 +10,9 @@ import math
 
 import compositions_workers
 import pytest
-from autosp_tools.train import TrainConfigError, run
 from harness import run_spmd
+
+from autosp_tools.train import TrainConfigError, run
 
 TINY = ["--model-size", "tiny", "--model-impl", "builtin", "--seq-len", "64", "--batch-size", "4",
         "--steps", "4", "--seed", "3", "--quiet"]

@@ -24,10 +24,11 @@ from pathlib import Path
 import faults_workers
 import pytest
 import torch
+from harness import run_spmd
+
 from autosp_tools import checkpoint
 from autosp_tools.launch import RankFailed
 from autosp_tools.train import TrainConfigError, run
-from harness import run_spmd
 
 TIMEOUT_S = 8
 # The job must end within the collective timeout plus this, counted from the fault.

@@ -22,11 +22,10 @@ import os
 import zlib
 from collections.abc import Iterator
 
-import pytest
-from hypothesis import HealthCheck, Phase, given, seed, settings
-
 import fuzz_programs as fp
+import pytest
 from fuzz_check import FuzzFailure, Stats, check_program
+from hypothesis import HealthCheck, Phase, given, seed, settings
 from spmd_pool import PoolTimeout, SPMDPool, sleep_on
 
 # Examples per configuration in CI (5 configurations, about 0.5-3 s per example on 2 loaded cores).

@@ -9,10 +9,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-
 from fuzz_check import check_program
 from spmd_pool import SPMDPool
-
 
 # (name, variant, P, spec[, compile options]). The first five were silently wrong on 03ab63a: no error,
 # nothing in the report.
@@ -68,8 +66,8 @@ CASES = [
           {"kind": "pool", "pool": "last", "head": "mse", "tap": -1, "coef": 1.0},
       ]},
     ),
-    # Found with AUTOSP_FUZZ_BACKEND=inductor (aot_eager is right): label smoothing's gather path hands the
-    # custom reduce_scatter an unaligned view; Inductor's alignment assert fires on rank 0, rank 1 hangs.
+    # Found with AUTOSP_FUZZ_BACKEND=inductor (aot_eager is right): on gloo, reduce_scatter returned a view at
+    # a rank-dependent offset; Inductor's alignment assert on custom-op outputs fired on one rank, the other hung.
     ("label-smoothing-inductor", "ulysses", 2,
      {"seed": 0, "batch": 1, "seq": 4, "dim": 16, "heads": 4, "input": "ids",
       "body": [
@@ -93,8 +91,8 @@ def pools() -> Iterator[dict[int, SPMDPool]]:
 
 # Open bug, not yet fixed: kept running so the fix flips it (strict). Not silent: one rank raises, the
 # other fails at the group's timeout.
-OPEN = {"label-smoothing-inductor": "Inductor asserts 16-byte alignment of autosp.reduce_scatter's input, "
-                                    "which is a view at a rank-dependent offset (a fallback gather's backward)"}
+# Name -> why it still fails: a strict xfail keeps an open bug visible instead of silent.
+OPEN: dict[str, str] = {}
 PARAMS = [
     pytest.param(*c[1:4], c[4] if len(c) > 4 else {}, id=f"{c[0]}-{c[1]}-P{c[2]}",
                  marks=[pytest.mark.xfail(strict=True, reason=OPEN[c[0]])] if c[0] in OPEN else [])

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from harness import run_spmd
 from reduction_models import NAMES
 from reduction_workers import reference, run

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from autosp_tools import checkpoint
 from autosp_tools.dataset import VOCAB_SIZE, batch_at, load_tokens
 from autosp_tools.train import TrainConfigError, run

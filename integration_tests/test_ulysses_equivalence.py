@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+import cases
 import pytest
 import torch
-
-import cases
 from harness import run_spmd
 
 pytest.importorskip("transformers")

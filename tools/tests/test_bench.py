@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from autosp_tools.bench import run
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

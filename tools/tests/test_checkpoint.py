@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from autosp_tools import checkpoint
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from autosp_tools.config import TrainConfigError, build_parser, config_from_args
 
 TINY = ["--model-size", "tiny", "--model-impl", "builtin", "--seq-len", "64", "--steps", "10"]

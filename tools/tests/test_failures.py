@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch.distributed as dist
+
 from autosp_tools import faults
 from autosp_tools.failures import Record, death, diagnose, is_comm_error, stalled
 from autosp_tools.heartbeat import BETWEEN, DONE, IN_STEP, SETUP, RankBeat

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+
 from autosp_tools import timeouts
 from autosp_tools.launch import launch
 

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch.distributed as dist
+from _core_helpers import TinyAttention
 
 import autosp
 from autosp import AutoSPError, ConfigError, SPOptions
 from autosp.registry import BLOCK_ENV, get_registry
-
-from _core_helpers import TinyAttention
-
 
 # --- one process, no process group -------------------------------------------------------------------
 

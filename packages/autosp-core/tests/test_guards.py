@@ -12,13 +12,12 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+from _core_helpers import TinyAttention
 
 import autosp
 from autosp import AutoSPError, ConfigError, SPOptions
 from autosp.guards import EagerFallback, GraphRuns, GuardedCall, is_comm_failure, recompile_message
 from autosp.input_check import Leaf, fingerprint, flatten_inputs, mismatch_message, signature_of
-
-from _core_helpers import TinyAttention
 
 # --- options ----------------------------------------------------------------------------------------
 

@@ -194,8 +194,9 @@ def test_no_dumps_without_env(tmp_path, monkeypatch):
 
 def test_compile_honours_disable_and_debug_dir(tmp_path, monkeypatch):
     """Through ``autosp.compile``: a disabled pass leaves no record; dumps land per rank and graph."""
-    import autosp
     from _core_helpers import TinyAttention
+
+    import autosp
 
     monkeypatch.setenv(DEBUG_DIR_ENV, str(tmp_path))
     torch.manual_seed(0)

@@ -5,10 +5,9 @@ Two launches (2 ranks, 4 ranks) run every case; the tests read their shared resu
 
 from __future__ import annotations
 
+import _ring_cases as rc
 import pytest
 import torch
-
-import _ring_cases as rc
 from harness import run_spmd
 
 SEQ = 32

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import _sac_cases as cases
 import pytest
 import torch
+from harness import run_spmd
 
-import _sac_cases as cases
 from autosp.hardware import HardwareProfile
 from autosp_sac.cost import OVERHEAD_THRESHOLD, Costs
-from harness import run_spmd
 
 SACS = [False, True, "auto"]
 

@@ -116,8 +116,9 @@ def _dp_name(cfg: TrainConfig) -> str:
 
 def train(cfg: TrainConfig, rank: int = 0, world: int = 1) -> TrainResult:
     """The training loop on one rank; the process group (if world > 1) is already up."""
-    import autosp
     from tqdm import tqdm
+
+    import autosp
 
     t_start = time.perf_counter()
     lead = rank == 0

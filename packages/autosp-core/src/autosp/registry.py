@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from dataclasses import dataclass, field
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 import pluggy

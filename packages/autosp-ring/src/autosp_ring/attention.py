@@ -19,7 +19,6 @@ from autosp.lowering import SDPA, sdpa_args
 from autosp.sharding.context import SPContext, SPValue
 from autosp.sharding.placement import Layout, Replicate, SeqAxis, Shard, zigzag_ranges
 from autosp.sharding.redistribute import to_shard
-
 from autosp_ring.blocks import default_scale
 
 # Plugin attention specs with this name are causal sliding-window attention called as

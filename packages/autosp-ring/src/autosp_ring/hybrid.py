@@ -22,7 +22,6 @@ from autosp.options import group_timeout
 from autosp.sharding import collectives as C
 from autosp.sharding.context import SPContext, SPValue
 from autosp.sharding.placement import SeqAxis, Shard
-
 from autosp_ring.attention import from_bhsd, parse, seq_chunks
 
 

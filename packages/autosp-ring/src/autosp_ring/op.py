@@ -114,8 +114,8 @@ def ring_attention(
                     continue
                 mask = block_mask(qo, ql, ko, kl, is_causal, window, q.device)
                 rows = slice(qs, qs + ql)
-                o, l = block_forward(q[:, :, rows], kj[:, :, ks:ks + kl], vj[:, :, ks:ks + kl], scale, mask)
-                out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], o, l)
+                o, block_lse = block_forward(q[:, :, rows], kj[:, :, ks:ks + kl], vj[:, :, ks:ks + kl], scale, mask)
+                out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], o, block_lse)
                 BLOCK_COUNTS["forward", "computed"] += 1
         if pending is not None:
             buf = ring.finish(pending)

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from autosp import AttentionSpec, Pass, SPVariant, Stage, hookimpl
-
 import autosp_ring.op  # noqa: F401 - defines torch.ops.autosp_ring.*
+from autosp import AttentionSpec, Pass, SPVariant, Stage, hookimpl
 from autosp_ring.attention import check, ring_attention_rule, ring_layout
 from autosp_ring.hybrid import hybrid_attention_rule, make_groups
 

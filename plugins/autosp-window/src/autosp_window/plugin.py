@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from autosp import AttentionSpec, hookimpl
-
 import autosp_window.op  # noqa: F401 - defines torch.ops.autosp_window.*
+from autosp import AttentionSpec, hookimpl
 
 _OP = torch.ops.autosp_window.sliding_window_attention
 

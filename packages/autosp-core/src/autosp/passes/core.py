@@ -8,8 +8,8 @@ from autosp.analysis.attention import find_attention_sites, hint
 from autosp.context import CompileContext
 from autosp.errors import AutoSPError
 from autosp.lowering import SDPA, insert_leaves, lower_to_aten
-from autosp.passes.manager import Pass, Stage
 from autosp.passes.grad_sync import sync_grads
+from autosp.passes.manager import Pass, Stage
 from autosp.passes.unrepeat import UNREPEAT_KV
 from autosp.sharding import collectives as C
 from autosp.sharding.context import SPContext

@@ -8,13 +8,32 @@ and pass keeps are written down in ``README.md`` beside it.  Rules for new ops c
 from autosp.sharding.collectives import COLLECTIVE_OPS, all_gather, all_reduce, all_to_all, reduce_scatter, scale_grad
 from autosp.sharding.context import AttentionRule, SPContext, SPValue
 from autosp.sharding.placement import (
-    HeadShard, IntLike, Layout, Partial, Placement, Replicate, SeqAxis, Shard, even_ranges, in_rank_order, is_even,
+    HeadShard,
+    IntLike,
+    Layout,
+    Partial,
+    Placement,
+    Replicate,
+    SeqAxis,
+    Shard,
+    even_ranges,
+    in_rank_order,
+    is_even,
     zigzag_ranges,
 )
 from autosp.sharding.propagate import evaluate, finish, normalize_inputs, shard_graph
 from autosp.sharding.redistribute import gather, slice_to, to_replicate, to_shard
 from autosp.sharding.rules.base import (
-    Rule, accepted, call, declare, fallback, reduce_partials, replicated, seq_dim, values, wrap,
+    Rule,
+    accepted,
+    call,
+    declare,
+    fallback,
+    reduce_partials,
+    replicated,
+    seq_dim,
+    values,
+    wrap,
 )
 from autosp.sharding.rules.position import positions
 

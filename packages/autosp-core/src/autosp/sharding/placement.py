@@ -20,11 +20,10 @@ The sequence axis may be folded into a larger dimension (``view(B * S, D)``):
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Union
 
 import torch
 
-IntLike = Union[int, torch.SymInt]
+IntLike = int | torch.SymInt
 
 
 @dataclass(frozen=True)
@@ -122,7 +121,7 @@ class Partial:
         return "P(sum)"
 
 
-Placement = Union[Replicate, Shard, HeadShard, Partial]
+Placement = Replicate | Shard | HeadShard | Partial
 
 __all__ = [
     "HeadShard",

@@ -8,7 +8,15 @@ fallback, so an op we do not know can cost memory but never change a result.
 
 from autosp.sharding.rules import contraction, elementwise, position, reduction, shape  # noqa: F401 - register rules
 from autosp.sharding.rules.base import (
-    RULES, all_replicated, call, fallback, is_elementwise, replicated, rule, values, wrap,
+    RULES,
+    all_replicated,
+    call,
+    fallback,
+    is_elementwise,
+    replicated,
+    rule,
+    values,
+    wrap,
 )
 from autosp.sharding.rules.elementwise import elementwise as elementwise_rule
 

@@ -12,8 +12,8 @@ cannot compute on a summand while claiming a whole value (see ../README.md).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any, Callable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree

@@ -10,7 +10,9 @@ from autosp.sharding.context import SPContext, SPValue
 from autosp.sharding.placement import Partial, Replicate, SeqAxis, Shard
 from autosp.sharding.redistribute import gather, slice_to, to_replicate, to_shard
 from autosp.sharding.rules.base import (
-    fallback, replicated, rule,
+    fallback,
+    replicated,
+    rule,
 )
 
 aten = torch.ops.aten

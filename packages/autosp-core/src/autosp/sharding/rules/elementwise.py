@@ -12,7 +12,14 @@ from autosp.sharding.dims import broadcast_dim
 from autosp.sharding.placement import HeadShard, Partial, Replicate, SeqAxis, Shard
 from autosp.sharding.redistribute import to_replicate, to_shard
 from autosp.sharding.rules.base import (
-    RULES, call, declare, fallback, reduce_partials, replicated, values, wrap,
+    RULES,
+    call,
+    declare,
+    fallback,
+    reduce_partials,
+    replicated,
+    values,
+    wrap,
 )
 
 aten = torch.ops.aten

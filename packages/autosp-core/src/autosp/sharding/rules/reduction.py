@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -12,9 +13,18 @@ from autosp.sharding import collectives as C
 from autosp.sharding.context import SPContext, SPValue
 from autosp.sharding.dims import normalize_dim
 from autosp.sharding.placement import HeadShard, Partial, Replicate, SeqAxis, Shard
-from autosp.sharding.redistribute import gather, to_replicate, to_shard
+from autosp.sharding.redistribute import to_replicate, to_shard
 from autosp.sharding.rules.base import (
-    RULES, Rule, call, fallback, reduce_partials, replicated, rule, seq_dim, values, wrap,
+    RULES,
+    Rule,
+    call,
+    fallback,
+    reduce_partials,
+    replicated,
+    rule,
+    seq_dim,
+    values,
+    wrap,
 )
 
 aten = torch.ops.aten

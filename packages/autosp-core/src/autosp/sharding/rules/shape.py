@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -11,7 +12,15 @@ from autosp.sharding.dims import map_view, normalize_dim
 from autosp.sharding.placement import HeadShard, Partial, Replicate, SeqAxis, Shard
 from autosp.sharding.redistribute import to_replicate, to_shard
 from autosp.sharding.rules.base import (
-    RULES, all_replicated, call, declare, fallback, replicated, rule, seq_dim, wrap,
+    RULES,
+    all_replicated,
+    call,
+    declare,
+    fallback,
+    replicated,
+    rule,
+    seq_dim,
+    wrap,
 )
 
 aten = torch.ops.aten

@@ -32,8 +32,16 @@ into a bigger dim (``[B * S, D]``), ``inner=`` puts faster factors after it.
 
 from autosp.sharding.testing.check import OpReport, RuleMismatch, check_op
 from autosp.sharding.testing.layouts import (
-    LAYOUTS, LayoutFn, PlacementSpec, first_rank_empty_layout, head_shard, shard, sliced_layout, uneven_layout,
-    zigzag_layout, zigzag_sliced_layout,
+    LAYOUTS,
+    LayoutFn,
+    PlacementSpec,
+    first_rank_empty_layout,
+    head_shard,
+    shard,
+    sliced_layout,
+    uneven_layout,
+    zigzag_layout,
+    zigzag_sliced_layout,
 )
 from autosp.sharding.testing.threads import SimulationError, collectives_issued, simulate
 

@@ -7,7 +7,15 @@ from collections.abc import Callable
 import torch
 
 from autosp.sharding.placement import (
-    HeadShard, Layout, Partial, Placement, Replicate, SeqAxis, Shard, even_ranges, zigzag_ranges,
+    HeadShard,
+    Layout,
+    Partial,
+    Placement,
+    Replicate,
+    SeqAxis,
+    Shard,
+    even_ranges,
+    zigzag_ranges,
 )
 
 LayoutFn = Callable[[int, int], Layout]
