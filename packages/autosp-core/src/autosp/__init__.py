@@ -6,6 +6,8 @@
     loss.backward()                                # the single-device gradients
 """
 
+from importlib.metadata import PackageNotFoundError, version
+
 from autosp.analysis.attention import AttentionSite, AttentionSpec
 from autosp.api import AutoSPBackend, backend, compile, explain
 from autosp.errors import AutoSPError, ConfigError, VerificationError
@@ -18,7 +20,11 @@ from autosp.report import Report
 from autosp.variants import SPVariant
 from autosp.verify import VerifyReport, verify
 
-__version__ = "0.1.0"
+try:
+    # pyproject.toml is the one version source; the installed metadata carries it.
+    __version__ = version("autosp-core")
+except PackageNotFoundError:  # a source tree on sys.path, not installed (its plugins' entry points are missing too)
+    __version__ = "0+unknown"
 
 __all__ = [
     "AttentionSite",
