@@ -12,19 +12,11 @@ from typing import Any
 import torch
 
 import autosp
-from models import Config, GPT2Like, LlamaLike, MeanPoolClassifier
+from autosp.testing.models import Config, GPT2Like, LlamaLike, MeanPoolClassifier, hf_causal_lm
 
 
 def hf_model(kind: str, heads: int = 4, kv_heads: int = 2) -> torch.nn.Module:
-    import transformers
-
-    common = dict(
-        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=heads,
-        num_key_value_heads=kv_heads, max_position_embeddings=256, attn_implementation="sdpa", use_cache=False,
-    )
-    if kind == "hf-llama":
-        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
-    return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    return hf_causal_lm("llama" if kind == "hf-llama" else "qwen2", heads=heads, kv_heads=kv_heads)
 
 
 def build(name: str) -> torch.nn.Module:

@@ -15,7 +15,7 @@ import torch
 import autosp
 from autosp.errors import ConfigError, VerificationError
 from autosp.sharding import collectives
-from models import Config, LlamaLike, MeanPoolClassifier
+from autosp.testing.models import Config, LlamaLike, MeanPoolClassifier
 
 VERIFY = sys.modules["autosp.verify"]  # ``autosp.verify`` is the function; its module holds the hook
 

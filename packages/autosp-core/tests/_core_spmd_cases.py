@@ -32,7 +32,7 @@ def config_errors(rank: int, world: int) -> dict[str, Any]:
     import autosp
     from _core_helpers import MLP
     from autosp.registry import reset_registry
-    from models import Config, GPT2Like
+    from autosp.testing.models import Config, GPT2Like
 
     # Ring must look "not installed" whether or not autosp-ring is: block it.
     os.environ["AUTOSP_BLOCK_PLUGINS"] = "autosp-ring"

@@ -23,7 +23,7 @@ def _axes(site):
 
 
 def test_llama_like_rope_gqa():
-    from models import Config, LlamaLike
+    from autosp.testing.models import Config, LlamaLike
 
     torch.manual_seed(0)
     ids = torch.randint(0, 96, (2, 16))
@@ -39,7 +39,7 @@ def test_llama_like_rope_gqa():
 
 
 def test_llama_like_sliding_window_mask():
-    from models import Config, LlamaLike
+    from autosp.testing.models import Config, LlamaLike
 
     ids = torch.randint(0, 96, (1, 8))
     graphs, _ = capture_graphs(LlamaLike(Config(layers=1, window=4)), ids, ids)
@@ -50,7 +50,7 @@ def test_llama_like_sliding_window_mask():
 
 
 def test_gpt2_like():
-    from models import Config, GPT2Like
+    from autosp.testing.models import Config, GPT2Like
 
     ids = torch.randint(0, 96, (3, 12))
     graphs, _ = capture_graphs(GPT2Like(Config(dim=48, heads=6, layers=3)), ids, ids)
@@ -125,7 +125,7 @@ def test_no_sites():
 
 
 def test_explain_mentions_the_sites():
-    from models import Config, GPT2Like
+    from autosp.testing.models import Config, GPT2Like
 
     torch.manual_seed(0)
     ids = torch.randint(0, 96, (2, 8))

@@ -59,7 +59,7 @@ def test_inductor_compile_logs_no_cache_key_warning(inductor_run):
 
 @pytest.fixture(scope="module")
 def llama_run():
-    from models import Config, LlamaLike
+    from autosp.testing.models import Config, LlamaLike
 
     torch.manual_seed(0)
     eager = LlamaLike(Config(layers=2))
@@ -98,7 +98,7 @@ def test_sp1_report_shows_no_rewrite(llama_run):
 
 
 def test_sp1_eager_backend_tuple_outputs():
-    from models import Config, GPT2Like
+    from autosp.testing.models import Config, GPT2Like
 
     torch.manual_seed(0)
     eager = GPT2Like(Config(layers=1))
@@ -115,7 +115,7 @@ def test_sp1_eager_backend_tuple_outputs():
 
 
 def test_sp1_recompiles_with_dynamic_shapes():
-    from models import Config, GPT2Like
+    from autosp.testing.models import Config, GPT2Like
 
     torch.manual_seed(0)
     model = GPT2Like(Config(layers=1))

@@ -49,7 +49,7 @@ def _lower_and_unrepeat(model, *inputs):
 
 
 def test_llama_repeat_kv_is_undone():
-    from models import Config, LlamaLike
+    from autosp.testing.models import Config, LlamaLike
 
     torch.manual_seed(0)
     ids = torch.randint(0, 96, (2, 8))
@@ -62,7 +62,7 @@ def test_llama_repeat_kv_is_undone():
 
 
 def test_no_repeat_no_change():
-    from models import Config, GPT2Like
+    from autosp.testing.models import Config, GPT2Like
 
     ids = torch.randint(0, 96, (1, 8))
     r = _lower_and_unrepeat(GPT2Like(Config(layers=1)), ids, ids)

@@ -8,19 +8,13 @@ import torch
 import torch.nn.functional as F
 
 import autosp
-from models import Config, GPT2Block, GPT2Like, LlamaBlock, LlamaLike, rope
+from autosp.testing import Config, GPT2Block, GPT2Like, LlamaBlock, LlamaLike, SavedBytes
 
 
 class EncoderBlock(GPT2Block):
     """GPT2Block without the causal flag: bidirectional attention."""
 
-    def forward(self, x):
-        B, S, D = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(D, dim=2)
-        q, k, v = (t.view(B, S, self.c.heads, D // self.c.heads).transpose(1, 2) for t in (q, k, v))
-        a = F.scaled_dot_product_attention(q, k, v)
-        x = x + self.proj(a.transpose(1, 2).contiguous().view(B, S, D))
-        return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+    causal = False
 
 
 class Encoder(GPT2Like):
@@ -32,19 +26,8 @@ class Encoder(GPT2Like):
 class WindowBlock(LlamaBlock):
     """LlamaBlock calling the autosp-window op on un-repeated GQA k/v."""
 
-    def forward(self, x, cos, sin, mask):
-        B, S, _ = x.shape
-        c = self.c
-        hd = c.dim // c.heads
-        h = self.n1(x)
-        q = self.q(h).view(B, S, c.heads, hd).transpose(1, 2)
-        k = self.k(h).view(B, S, c.kv_heads, hd).transpose(1, 2)
-        v = self.v(h).view(B, S, c.kv_heads, hd).transpose(1, 2)
-        q, k = rope(q, cos, sin), rope(k, cos, sin)
-        a = torch.ops.autosp_window.sliding_window_attention(q, k, v, c.window)
-        x = x + self.o(a.transpose(1, 2).reshape(B, S, c.dim))
-        h = self.n2(x)
-        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+    def attention(self, q, k, v, mask):
+        return torch.ops.autosp_window.sliding_window_attention(q, k, v, self.c.window)
 
 
 class WindowLlama(LlamaLike):
@@ -106,18 +89,11 @@ def reference(name: str, b: dict[str, torch.Tensor]) -> dict[str, Any]:
 
 def saved_bytes(model: Any, name: str, b: dict[str, torch.Tensor]) -> int:
     """Bytes autograd saves for backward in one forward of ``model`` (parameters excluded)."""
-    params = {p.data_ptr() for p in model.parameters()}
-    sizes: list[int] = []
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.data_ptr() not in params:
-            sizes.append(t.numel() * t.element_size())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    saved = SavedBytes(model.parameters(), distinct=False)
+    with saved.record():
         loss = call(model, name, b)
     loss.backward()
-    return sum(sizes)
+    return saved.total
 
 
 def compile_model(name: str, variant: str, world: int, options: dict | None, sac: Any = "auto") -> Any:

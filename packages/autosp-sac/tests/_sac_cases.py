@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 
 import autosp
-from models import Config, LlamaLike
+from autosp.testing import Config, LlamaLike, SavedBytes
 
 
 class DropoutLlama(LlamaLike):
@@ -68,15 +68,8 @@ def _saved_bytes(seq: int, sac, backend: str) -> tuple[int, dict]:
     compiled = autosp.compile(model, sac=sac, backend=backend)
     ids = torch.randint(0, 96, (1, seq), generator=torch.Generator().manual_seed(0))
     compiled(ids, ids).backward()
-    params = {p.data_ptr() for p in model.parameters()}
-    sizes = []
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.data_ptr() not in params:
-            sizes.append(t.numel() * t.element_size())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    saved = SavedBytes(model.parameters(), distinct=False)
+    with saved.record():
         loss = compiled(ids, ids)
     loss.backward()
-    return sum(sizes), dict(compiled.autosp_reports[0].sac)
+    return saved.total, dict(compiled.autosp_reports[0].sac)

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from autosp.testing import SavedBytes
 from autosp_tools.launch import launch
 from autosp_tools.model import LlamaLM, ModelConfig
 
@@ -57,25 +58,18 @@ def _steps(step: Callable[[], torch.Tensor], model: torch.nn.Module, steps: int)
     start = time.perf_counter()
     step()
     compile_s = time.perf_counter() - start
-    params = {p.data_ptr() for p in model.parameters()}
-    sizes: list[int] = []
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.data_ptr() not in params:
-            sizes.append(t.numel() * t.element_size())
-        return t
-
+    saved = SavedBytes(model.parameters(), distinct=False)
     times = []
     for i in range(steps):
         model.zero_grad(set_to_none=True)
         start = time.perf_counter()
         if i == 0:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with saved.record():
                 loss = step()
         else:
             loss = step()
         times.append(time.perf_counter() - start)
-    return {"saved_bytes": sum(sizes), "step_s": statistics.median(times), "compile_s": compile_s,
+    return {"saved_bytes": saved.total, "step_s": statistics.median(times), "compile_s": compile_s,
             "loss": float(loss)}
 
 

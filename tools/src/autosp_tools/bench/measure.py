@@ -4,47 +4,15 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
+from autosp.testing import SavedBytes
 from autosp_tools.bench.methods import Method, StepEnv, build_runner
 from autosp_tools.memory import peak_rss_mb, rss_mb
-
-
-class SavedBytes:
-    """Sums the distinct storages autograd saves for backward, parameters excluded.
-
-    Storages are keyed by their data pointer so a tensor saved by several ops, or views
-    of one buffer, count once, as they do in memory.
-    """
-
-    def __init__(self, params: list[torch.Tensor]) -> None:
-        self.skip = {p.untyped_storage().data_ptr() for p in params}
-        self.seen: dict[int, int] = {}
-
-    @contextmanager
-    def record(self) -> Iterator[None]:
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            try:
-                storage = t.untyped_storage()
-                ptr = storage.data_ptr()
-                if ptr not in self.skip and ptr != 0:
-                    self.seen[ptr] = storage.nbytes()
-            except (RuntimeError, NotImplementedError):
-                pass  # tensors without storage (subclasses, meta) hold no memory here
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            yield
-
-    @property
-    def total(self) -> int:
-        return sum(self.seen.values())
 
 
 @dataclass

@@ -15,8 +15,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from autosp.testing.models import LlamaBlock, rope
 from autosp_tools.bench.workload import IGNORE, repeat_kv, rope_tables
-from autosp_tools.model import Block, LlamaLM, rope
+from autosp_tools.model import LlamaLM
 
 
 class LocalAttention(nn.Module):
@@ -55,7 +56,7 @@ class UlyssesLM(nn.Module):
         x = lm.embed(ids)
         B, s, _ = x.shape
         for blk, attn in zip(lm.blocks, self.attn):
-            block: Block = blk  # type: ignore[assignment]  # ModuleList items are typed Module
+            block: LlamaBlock = blk  # type: ignore[assignment]  # ModuleList items are typed Module
             h = block.n1(x)
             q = rope(block.q(h).view(B, s, c.heads, hd), cos, sin)
             k = rope(block.k(h).view(B, s, c.kv_heads, hd), cos, sin)
