@@ -88,7 +88,9 @@ def reduce_scatter(x: Tensor, dim: int, sizes: list[int], group_name: str) -> Te
     # gloo has no reduce-scatter: an all-reduce and a local slice give the same result.
     total = x.contiguous().clone()
     dist.all_reduce(total, group=group)
-    return total.narrow(dim, start, sizes[rank]).contiguous()
+    # A copy, never a view: Inductor takes a custom op's output for a fresh, aligned allocation,
+    # and a narrow along dim 0 would keep a rank-dependent storage offset.
+    return total.narrow(dim, start, sizes[rank]).clone(memory_format=torch.contiguous_format)
 
 
 @reduce_scatter.register_fake
