@@ -145,7 +145,7 @@ def test_first_party_plugins_come_from_entry_points(fresh_registry):
     assert {"autosp.find_attention", "autosp.lower", "autosp.shard", "autosp.sync_grads",
             "autosp.dce_forward", "autosp.dce_backward", "autosp.unrepeat_kv"} <= set(reg.passes)
     assert {"ulysses"} <= set(reg.variants) and "toy" not in reg.variants
-    assert {"cpu", "cuda", "cuda-h100"} <= set(reg.hardware)
+    assert {"cpu", "cuda", "h100-80gb"} <= set(reg.hardware)
     assert get_registry() is reg  # built once
     reset_registry()
     assert get_registry() is not reg

@@ -11,7 +11,9 @@ import torch
 
 from autosp.guards import GraphRuns, GuardedCall, guard_compiled, guard_graph, wait_for_compiles
 from autosp.input_check import InputCheck
+from autosp.hardware_select import HardwareOption
 from autosp.options import SPOptions, compile_sync_group, resolve_group
+from autosp.hardware import load_profile
 from autosp.registry import get_registry
 from autosp.report import Report
 
@@ -36,6 +38,8 @@ class AutoSPBackend:
         self.group, self.world = resolve_group(options)
         self.registry.variant(options.variant)
         self.registry.require_sac(options.sac)
+        if options.hardware is not None:
+            load_profile(options.hardware)  # a missing file or unknown name fails here, not at the first call
         self.reports: list[Report] = []
         self.sync_group = compile_sync_group(options, self.world)
         self.runs = GraphRuns()
@@ -75,6 +79,9 @@ def backend(
     grad_bucket_mb: float = 25.0,
     check_inputs: str | bool = "shapes",
     timeout: float | timedelta | None = None,
+    hardware: HardwareOption = None,
+    tile_loss: bool | int = True,
+    memory_budget: int | float | None = None,
     **variant_options: Any,
 ) -> AutoSPBackend:
     """A Dynamo backend for ``torch.compile(model, backend=autosp.backend(...))``.
@@ -90,12 +97,17 @@ def backend(
         check_inputs: "shapes" (default), "hash" or "off"/False: what the SP ranks compare
             before each compiled graph runs (see ``SPOptions``).
         timeout: seconds or ``timedelta`` for the SP group AutoSP creates (see ``SPOptions``).
+        hardware: profile name, JSON profile path or ``HardwareProfile`` for the cost models
+            (``None``: detect the device; see ``SPOptions``).
+        tile_loss: LM head + cross entropy in token chunks: True (where it saves memory), False,
+            or the rows of one chunk (see ``SPOptions``).
+        memory_budget: bytes, or a fraction of the device's memory, that ``sac="auto"`` fits into.
         **variant_options: passed to the variant (for example ``ring_degree``).
     """
     options = SPOptions(
         sp_size=sp_size, variant=variant, sac=sac, group=group, backend=backend,
         disable_passes=tuple(disable_passes), grad_bucket_mb=grad_bucket_mb, variant_options=variant_options,
-        check_inputs=check_inputs, timeout=timeout,
+        check_inputs=check_inputs, timeout=timeout, tile_loss=tile_loss, memory_budget=memory_budget, hardware=hardware,
     )
     return AutoSPBackend(options)
 
@@ -113,6 +125,9 @@ def compile(  # noqa: A001 - mirrors torch.compile
     variant_options: dict[str, Any] | None = None,
     check_inputs: str | bool = "shapes",
     timeout: float | timedelta | None = None,
+    hardware: HardwareOption = None,
+    tile_loss: bool | int = True,
+    memory_budget: int | float | None = None,
     **torch_compile_kwargs: Any,
 ) -> Callable[..., Any]:
     """Compile ``model`` into a sequence-parallel program.
@@ -131,7 +146,7 @@ def compile(  # noqa: A001 - mirrors torch.compile
     be = globals()["backend"](
         sp_size=sp_size, variant=variant, sac=sac, group=group, backend=backend,
         disable_passes=disable_passes, grad_bucket_mb=grad_bucket_mb, check_inputs=check_inputs,
-        timeout=timeout, **(variant_options or {}),
+        timeout=timeout, tile_loss=tile_loss, memory_budget=memory_budget, hardware=hardware, **(variant_options or {}),
     )
     if be.world > 1:
         # Static by default: each new length compiles once. The symbolic path refuses some models

@@ -19,7 +19,7 @@ from torch._guards import detect_fake_mode
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from autosp.context import CompileContext
-from autosp.hardware import select_profile
+from autosp.hardware_select import resolve as resolve_hardware
 from autosp.options import SPOptions
 from autosp.passes.manager import PassManager, Stage
 from autosp.registry import Registry
@@ -83,7 +83,7 @@ def make_context(
         input_names=names,
         report=report,
     )
-    ctx.hardware = select_profile(ctx.device, tuple(registry.hardware.values()))
+    ctx.hardware, report.hardware = resolve_hardware(options.hardware, ctx.device, registry)
     return ctx
 
 
@@ -111,7 +111,7 @@ class _Partitioner:
         # The group's name is baked into the collectives, so a graph cached for another group must not match.
         group = ctx.group_name if ctx.sp else None
         digest.update(repr((opts.sac, opts.variant, sorted(opts.variant_options.items()), opts.grad_bucket_mb,
-                            ctx.world, ctx.rank, group, ctx.hardware.name,
+                            ctx.world, ctx.rank, group, repr(ctx.hardware),
                             [p.name for p in self.manager.passes])).encode())
         return "autosp-" + digest.hexdigest()
 

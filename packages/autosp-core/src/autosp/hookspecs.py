@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 import pluggy
 
 if TYPE_CHECKING:
+    import torch
+
     from autosp.analysis.attention import AttentionSpec
     from autosp.hardware import HardwareProfile
     from autosp.passes.manager import Pass
@@ -55,12 +57,23 @@ def autosp_register_hardware(register: Callable[[HardwareProfile], None]) -> Non
     """Called once when the registry loads; register hardware profiles for cost models."""
 
 
+@hookspec(firstresult=True)
+def autosp_select_hardware(device: torch.device, profiles: tuple[HardwareProfile, ...]) -> HardwareProfile | None:
+    """Called per compile without ``hardware=``: the profile for ``device`` if you recognise it.
+
+    The first non-None result wins; with none, core matches device names against ``profiles``
+    (every registered profile). ROCm builds report device type "cuda", so autosp-rocm answers
+    here from ``torch.version.hip`` and ``gcnArchName``.
+    """
+
+
 __all__ = [
     "autosp_register_attention",
     "autosp_register_hardware",
     "autosp_register_passes",
     "autosp_register_sharding_rules",
     "autosp_register_variants",
+    "autosp_select_hardware",
     "hookimpl",
     "hookspec",
 ]

@@ -9,6 +9,7 @@ from typing import Any, Literal
 import torch.distributed as dist
 
 from autosp.errors import ConfigError
+from autosp.hardware_select import HardwareOption, check_option
 from autosp.input_check import CHECK_MODES, CheckMode
 
 Backend = Literal["inductor", "aot_eager", "eager"]
@@ -38,6 +39,14 @@ class SPOptions:
             do not count: before the first run of a new graph the ranks wait for each other on
             the world's timeout. ``None``: the world's timeout (also for the subgroups AutoSP
             makes). Not with ``group=``: create your group with its timeout.
+        tile_loss: compute a token-wise LM head and its cross entropy in chunks of tokens, so the
+            ``[tokens, vocab]`` logits are never whole (``autosp.tile_loss``): True (default) where it
+            saves memory, False to leave the graph as is, or an int: the rows of one chunk.
+        memory_budget: bytes (an int) or a fraction (0 < f <= 1) of the device's memory that
+            ``sac="auto"`` fits the program into; ``None``: the hardware profile's memory.
+        hardware: the profile cost models use (SAC's, ``variant="auto"``'s): a name ("h100-80gb",
+            "mi300x", "cpu"), a JSON file from ``autosp-profile``, a ``HardwareProfile``, or ``None``
+            to detect the device. The report says which profile was used and where it came from.
     """
 
     sp_size: int | None = None
@@ -50,6 +59,9 @@ class SPOptions:
     variant_options: dict[str, Any] = field(default_factory=dict)
     check_inputs: CheckMode | bool = "shapes"
     timeout: float | timedelta | None = None
+    tile_loss: bool | int = True
+    memory_budget: int | float | None = None
+    hardware: HardwareOption = None
 
     def __post_init__(self) -> None:
         check = {False: "off", True: "shapes"}.get(self.check_inputs, self.check_inputs)  # type: ignore[call-overload]
@@ -66,6 +78,20 @@ class SPOptions:
                     "timeout is fixed when it is made, so create yours with it (dist.new_group(ranks, "
                     "timeout=timedelta(seconds=...))) and leave timeout= unset"
                 )
+        check_option(self.hardware)
+        if isinstance(self.tile_loss, float) or not isinstance(self.tile_loss, int) or (
+            not isinstance(self.tile_loss, bool) and self.tile_loss < 1
+        ):
+            raise ConfigError(f"tile_loss={self.tile_loss!r}; use True, False or the rows of one chunk (an int >= 1)")
+        budget = self.memory_budget
+        if budget is not None and (
+            isinstance(budget, bool) or not isinstance(budget, (int, float))
+            or (isinstance(budget, float) and not 0 < budget <= 1) or (isinstance(budget, int) and budget < 1)
+        ):
+            raise ConfigError(
+                f"memory_budget={budget!r}; give bytes (an int, e.g. 40 * 2**30) or a fraction of the device's "
+                "memory (a float in (0, 1]), or None"
+            )
         if self.backend not in BACKENDS:
             raise ConfigError(f"backend={self.backend!r} is not one of {BACKENDS}")
         if self.sac not in (True, False, "auto"):

@@ -26,6 +26,7 @@ class Report:
     fallbacks: list[str] = field(default_factory=list)
     sac: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    hardware: str = ""
 
     def __str__(self) -> str:
         lines = [
@@ -33,6 +34,8 @@ class Report:
             f"backend={self.backend}",
             f"  attention sites: {len(self.sites)}",
         ]
+        if self.hardware:
+            lines.insert(1, f"  hardware profile: {self.hardware}")
         lines += [f"    {s.describe()}" for s in self.sites]
         if self.inputs:
             lines.append("  inputs:")

@@ -10,6 +10,7 @@ from autosp.errors import AutoSPError
 from autosp.lowering import SDPA, insert_leaves, lower_to_aten
 from autosp.passes.grad_sync import sync_grads
 from autosp.passes.manager import Pass, Stage
+from autosp.passes.tile_loss import TILE_LOSS
 from autosp.passes.unrepeat import UNREPEAT_KV
 from autosp.sharding import collectives as C
 from autosp.sharding.context import SPContext
@@ -124,6 +125,7 @@ PASSES = (
     Pass("autosp.lower", Stage.GRAPH, lower, requires=("autosp.find_attention",), applies=_sp,
          doc="lower to functional aten, attention kept whole"),
     UNREPEAT_KV,
+    TILE_LOSS,
     Pass("autosp.shard", Stage.GRAPH, shard, requires=("autosp.lower",), applies=_sp,
          doc="propagate placements; insert collectives and slices"),
     Pass("autosp.sync_grads", Stage.JOINT, sync_grads, applies=_sp, doc="all-reduce input gradients in buckets"),
