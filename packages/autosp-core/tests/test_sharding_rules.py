@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 
+from autosp.linear_cross_entropy import OP as LINEAR_CROSS_ENTROPY
 from autosp.sharding.placement import Partial, Replicate, SeqAxis, Shard
 from autosp.sharding.rules import RULES
 from autosp.sharding.testing import check_op, head_shard, shard
@@ -303,6 +304,17 @@ case(aten.nll_loss_forward.default, "tokens-target-sharded",
 case(aten.nll_loss_forward.default, "tokens-target-other-layout",
      args(lambda g: randn(g, S, C).log_softmax(-1), lambda g: ints(g, C, S), None, 1, -100), shard(0, "zigzag"),
      shard(0, "even"))
+# The tiled LM head + loss (autosp.tile_loss): hidden rows [B*S, D] sharded, chunks of 5 rows, ignored tokens.
+for lay in ALL_LAYOUTS:
+    case(LINEAR_CROSS_ENTROPY, f"tokens-{lay}",
+         args(lambda g: randn(g, B * S, D), lambda g: randn(g, C, D), lambda g: randn(g, C),
+              lambda g: torch.where(mask(g, B * S), -100, ints(g, C, B * S)), -100, "", 5),
+         shard(0, lay, length=S), R, R, rs(0), expect=(Replicate,))
+case(LINEAR_CROSS_ENTROPY, "epilogue-no-bias-target-sharded",
+     args(lambda g: randn(g, S, D), lambda g: randn(g, C, D), None, lambda g: ints(g, C, S), -100, "div:2.0,tanh,mul:2.0", 3),
+     shard(0, "uneven"), R, shard(0, "zigzag"), expect=(Replicate,))
+case(LINEAR_CROSS_ENTROPY, "replicated", args(lambda g: randn(g, S, D), lambda g: randn(g, C, D), None,
+                                              lambda g: ints(g, C, S), -100, "", 4), rs(0), R, rs(0))
 # A classifier: pooled logits [B, C] and one target per example.
 for reduction in (0, 1, 2):
     case(aten.nll_loss_forward.default, f"classifier-reduction{reduction}",

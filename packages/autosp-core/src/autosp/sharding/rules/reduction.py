@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from autosp.linear_cross_entropy import OP as LINEAR_CROSS_ENTROPY
 from autosp.sharding import collectives as C
 from autosp.sharding.context import SPContext, SPValue
 from autosp.sharding.dims import normalize_dim
@@ -137,6 +138,23 @@ def nll_loss_rule(ctx, node, args, kwargs):
         return (SPValue(total, Partial(), node.meta["val"][0]), SPValue(count, Partial(), node.meta["val"][1]))
     total, count = reduce_together(ctx, total, count)
     return (SPValue(total / count, Replicate(), node.meta["val"][0]), SPValue(count, Replicate(), node.meta["val"][1]))
+
+
+@rule(LINEAR_CROSS_ENTROPY)
+def linear_cross_entropy_rule(ctx, node, args, kwargs):
+    """The tiled LM head + loss on this rank's tokens: ``[sum, count]`` is partial, made whole in one all-reduce."""
+    hidden, weight, bias, target, *rest = args
+    p = hidden.placement
+    if not isinstance(p, Shard) or p.axis.dim != 0 or hidden.ndim != 2 or target.gval.shape[0] != hidden.gval.shape[0]:
+        return fallback(ctx, node, args, kwargs)
+    weight = to_replicate(ctx, weight, f"{node.name}: LM head weight gathered")
+    bias = to_replicate(ctx, bias, f"{node.name}: LM head bias gathered") if bias is not None else None
+    target_local = to_shard(ctx, target, 0, p)
+    stats = LINEAR_CROSS_ENTROPY(hidden.local, weight.local, bias.local if bias is not None else None, target_local,
+                                 *rest)
+    # sum and count are already one vector: one all-reduce, as in reduce_together.
+    ctx.note("all_reduce")
+    return SPValue(C.all_reduce(stats, ctx.group_name, False), Replicate(), node.meta["val"])
 
 
 def reduce_together(ctx: SPContext, *summands: torch.Tensor) -> list[torch.Tensor]:
