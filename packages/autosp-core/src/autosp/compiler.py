@@ -111,7 +111,7 @@ class _Partitioner:
         # The group's name is baked into the collectives, so a graph cached for another group must not match.
         group = ctx.group_name if ctx.sp else None
         digest.update(repr((opts.sac, opts.variant, sorted(opts.variant_options.items()), opts.grad_bucket_mb,
-                            ctx.world, ctx.rank, group, repr(ctx.hardware),
+                            ctx.world, ctx.rank, group, repr(ctx.hardware), opts.memory_budget,
                             [p.name for p in self.manager.passes])).encode())
         return "autosp-" + digest.hexdigest()
 
