@@ -6,7 +6,7 @@
     loss.backward()                                # the single-device gradients
 """
 
-from importlib.metadata import PackageNotFoundError, version
+from importlib import metadata as _metadata
 
 from autosp.analysis.attention import AttentionSite, AttentionSpec
 from autosp.api import AutoSPBackend, backend, compile, explain
@@ -22,8 +22,8 @@ from autosp.verify import VerifyReport, verify
 
 try:
     # pyproject.toml is the one version source; the installed metadata carries it.
-    __version__ = version("autosp-core")
-except PackageNotFoundError:  # a source tree on sys.path, not installed (its plugins' entry points are missing too)
+    __version__ = _metadata.version("autosp-core")
+except _metadata.PackageNotFoundError:  # a source tree on sys.path, not installed (its plugins' entry points are missing too)
     __version__ = "0+unknown"
 
 __all__ = [

@@ -5,19 +5,51 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
 import torch
 
 from autosp.guards import GraphRuns, GuardedCall, guard_compiled, guard_graph, wait_for_compiles
-from autosp.input_check import InputCheck
-from autosp.hardware_select import HardwareOption
-from autosp.options import SPOptions, compile_sync_group, resolve_group
 from autosp.hardware import load_profile
+from autosp.hardware_select import HardwareOption
+from autosp.input_check import CheckMode, InputCheck
+from autosp.options import Backend, SPOptions, compile_sync_group, resolve_group
 from autosp.registry import get_registry
 from autosp.report import Report
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from typing_extensions import Unpack  # typing.Unpack from Python 3.11 on
+
 VERIFY_ENV = "AUTOSP_VERIFY"  # "1": the first call of an autosp.compile'd module verifies it first
+
+
+class TorchCompileOptions(TypedDict, total=False):
+    """The keywords ``autosp.compile`` passes on to ``torch.compile`` (all but ``backend``)."""
+
+    fullgraph: bool
+    dynamic: bool | None
+    mode: str | None
+    options: dict[str, str | int | bool | Callable[..., Any]] | None
+    disable: bool
+
+
+class CompileOptions(TorchCompileOptions, total=False):
+    """The keywords of ``autosp.compile``, for functions that take them all (``explain``, ``verify``)."""
+
+    sp_size: int | None
+    variant: str
+    sac: bool | Literal["auto"]
+    group: ProcessGroup | None
+    backend: Backend
+    disable_passes: tuple[str, ...]
+    grad_bucket_mb: float
+    variant_options: dict[str, Any] | None
+    check_inputs: CheckMode | bool
+    timeout: float | timedelta | None
+    hardware: HardwareOption
+    tile_loss: bool | int
+    memory_budget: int | float | None
 
 
 class AutoSPBackend:
@@ -72,12 +104,12 @@ def backend(
     *,
     sp_size: int | None = None,
     variant: str = "ulysses",
-    sac: bool | str = "auto",
-    group: Any = None,
-    backend: str = "inductor",
+    sac: bool | Literal["auto"] = "auto",
+    group: ProcessGroup | None = None,
+    backend: Backend = "inductor",
     disable_passes: tuple[str, ...] = (),
     grad_bucket_mb: float = 25.0,
-    check_inputs: str | bool = "shapes",
+    check_inputs: CheckMode | bool = "shapes",
     timeout: float | timedelta | None = None,
     hardware: HardwareOption = None,
     tile_loss: bool | int = True,
@@ -112,23 +144,26 @@ def backend(
     return AutoSPBackend(options)
 
 
+_make_backend = backend  # compile()'s parameter ``backend`` (the inner compiler's name) hides this function there
+
+
 def compile(  # noqa: A001 - mirrors torch.compile
     model: Callable[..., Any],
     *,
     sp_size: int | None = None,
     variant: str = "ulysses",
-    sac: bool | str = "auto",
-    group: Any = None,
-    backend: str = "inductor",
+    sac: bool | Literal["auto"] = "auto",
+    group: ProcessGroup | None = None,
+    backend: Backend = "inductor",
     disable_passes: tuple[str, ...] = (),
     grad_bucket_mb: float = 25.0,
     variant_options: dict[str, Any] | None = None,
-    check_inputs: str | bool = "shapes",
+    check_inputs: CheckMode | bool = "shapes",
     timeout: float | timedelta | None = None,
     hardware: HardwareOption = None,
     tile_loss: bool | int = True,
     memory_budget: int | float | None = None,
-    **torch_compile_kwargs: Any,
+    **torch_compile_kwargs: Unpack[TorchCompileOptions],
 ) -> Callable[..., Any]:
     """Compile ``model`` into a sequence-parallel program.
 
@@ -143,7 +178,7 @@ def compile(  # noqa: A001 - mirrors torch.compile
     that Dynamo would run without AutoSP (its recompile limit) raises ``AutoSPError`` instead of
     running in eager. ``timeout`` bounds every collective of AutoSP (see ``SPOptions``).
     """
-    be = globals()["backend"](
+    be = _make_backend(
         sp_size=sp_size, variant=variant, sac=sac, group=group, backend=backend,
         disable_passes=disable_passes, grad_bucket_mb=grad_bucket_mb, check_inputs=check_inputs,
         timeout=timeout, tile_loss=tile_loss, memory_budget=memory_budget, hardware=hardware, **(variant_options or {}),
@@ -170,7 +205,7 @@ def compile(  # noqa: A001 - mirrors torch.compile
     return compiled
 
 
-def explain(model: Callable[..., Any], *example_inputs: Any, **options: Any) -> str:
+def explain(model: Callable[..., Any], *example_inputs: Any, **options: Unpack[CompileOptions]) -> str:
     """Compile and run ``model`` once on ``example_inputs``; return what AutoSP found and did.
 
     Takes the options of ``autosp.compile``; with ``sp_size > 1`` every rank of the
@@ -187,4 +222,4 @@ def dynamo_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Calla
     return AutoSPBackend(SPOptions())(gm, example_inputs)
 
 
-__all__ = ["AutoSPBackend", "backend", "compile", "dynamo_backend", "explain"]
+__all__ = ["AutoSPBackend", "CompileOptions", "TorchCompileOptions", "backend", "compile", "dynamo_backend", "explain"]
