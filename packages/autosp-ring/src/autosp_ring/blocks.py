@@ -9,6 +9,8 @@ built from global positions: causal keeps ``k <= q``; a sliding window of
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -82,6 +84,40 @@ def block_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, mask: Tensor | 
     return torch.matmul(p, expand_kv(v, q.shape[1]).float()), lse
 
 
+def natural_lse(lse: Tensor, base: float) -> Tensor:
+    """A log-sum-exp in base ``base`` as a natural one: log_b(x) * ln(b).
+
+    Fused kernels may return base-2 lse (AOTriton before 0.11, on ROCm); merging that as if it
+    were natural would weight the blocks wrongly, silently.
+    """
+    return lse if base == math.e else lse * math.log(base)
+
+
+@dataclass(frozen=True)
+class BlockKernel:
+    """What computes one block's (out, lse): ``forward(q, k, v, scale, mask)``, lse in base ``lse_base``."""
+
+    name: str
+    forward: Callable[[Tensor, Tensor, Tensor, float, Tensor | None], tuple[Tensor, Tensor]]
+    lse_base: float = math.e
+
+
+REFERENCE_KERNEL = BlockKernel("fp32 reference", block_forward)
+_active = REFERENCE_KERNEL  # per process, like the device: which kernel runs here
+
+
+def block_kernel() -> BlockKernel:
+    """The kernel the ring op computes forward blocks with (the fp32 reference unless one is set)."""
+    return _active
+
+
+def set_block_kernel(kernel: BlockKernel) -> BlockKernel:
+    """Compute forward blocks with ``kernel`` in this process; returns the previous one."""
+    global _active
+    previous, _active = _active, kernel
+    return previous
+
+
 def merge(out: Tensor, lse: Tensor, b_out: Tensor, b_lse: Tensor) -> tuple[Tensor, Tensor]:
     """Combine two partial softmax results (fp32) through their log-sum-exps."""
     m = _safe(torch.maximum(lse, b_lse))
@@ -112,6 +148,7 @@ def default_scale(head_dim: int) -> float:
 
 
 __all__ = [
+    "REFERENCE_KERNEL", "BlockKernel", "block_kernel", "natural_lse", "set_block_kernel",
     "allowed_pairs", "block_backward", "block_forward", "block_mask", "block_needed", "default_scale",
     "expand_kv", "merge", "reduce_kv",
 ]

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from autosp_ring.blocks import block_backward, block_forward, block_mask, block_needed, merge
+from autosp_ring.blocks import block_backward, block_kernel, block_mask, block_needed, merge, natural_lse
 
 # Blocks computed by this process: ("forward"|"backward", "computed"|"skipped") -> count. Lets
 # callers measure causal imbalance (rank 0 skips most blocks, the last rank none).
@@ -103,6 +103,7 @@ def ring_attention(
     lse = q.new_full((b, h, chunk), float("-inf"), dtype=torch.float32)
     buf = _pack(k, v)
     steps = _steps(world, chunk, window, zigzag)
+    kernel = block_kernel()
     for s in range(steps):
         pending = ring.start(buf, 1, _KV_TAG) if s < steps - 1 else None
         j = (c - s) % world
@@ -114,8 +115,9 @@ def ring_attention(
                     continue
                 mask = block_mask(qo, ql, ko, kl, is_causal, window, q.device)
                 rows = slice(qs, qs + ql)
-                o, block_lse = block_forward(q[:, :, rows], kj[:, :, ks:ks + kl], vj[:, :, ks:ks + kl], scale, mask)
-                out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], o, block_lse)
+                o, block_lse = kernel.forward(q[:, :, rows], kj[:, :, ks:ks + kl], vj[:, :, ks:ks + kl], scale, mask)
+                block_lse = natural_lse(block_lse.float(), kernel.lse_base)
+                out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], o.float(), block_lse)
                 BLOCK_COUNTS["forward", "computed"] += 1
         if pending is not None:
             buf = ring.finish(pending)
