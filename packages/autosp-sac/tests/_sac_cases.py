@@ -44,7 +44,7 @@ def run(rank: int, world: int, seq: int, sacs: list, dropout: bool) -> dict:
     return out
 
 
-def saved_bytes(seq: int, sac, backend: str = "aot_eager") -> tuple[int, dict]:
+def saved_bytes(seq: int, sac, backend: str = "aot_eager", **options) -> tuple[int, dict]:
     """Bytes saved for backward by one compiled forward (parameters excluded), one process.
 
     Inductor's on-disk caches are off here: a hit would skip the passes, and with them the report.
@@ -59,13 +59,13 @@ def saved_bytes(seq: int, sac, backend: str = "aot_eager") -> tuple[int, dict]:
         caches_off.enter_context(inductor_config.patch(fx_graph_cache=False))
         caches_off.enter_context(functorch_config.patch(enable_autograd_cache=False))
     with caches_off:
-        return _saved_bytes(seq, sac, backend)
+        return _saved_bytes(seq, sac, backend, **options)
 
 
-def _saved_bytes(seq: int, sac, backend: str) -> tuple[int, dict]:
+def _saved_bytes(seq: int, sac, backend: str, **options) -> tuple[int, dict]:
     torch._dynamo.reset()
     model = build(False)
-    compiled = autosp.compile(model, sac=sac, backend=backend)
+    compiled = autosp.compile(model, sac=sac, backend=backend, **options)
     ids = torch.randint(0, 96, (1, seq), generator=torch.Generator().manual_seed(0))
     compiled(ids, ids).backward()
     saved = SavedBytes(model.parameters(), distinct=False)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import _sac_cases as cases
+import dataclasses
+
 import pytest
 import torch
 from harness import run_spmd
 
-from autosp.hardware import HardwareProfile
+from autosp.hardware import HardwareProfile, builtin_profile
 from autosp_sac.cost import OVERHEAD_THRESHOLD, Costs
 
 SACS = [False, True, "auto"]
@@ -31,9 +33,13 @@ def test_cost_model_switches_on_with_length():
     assert overheads[0] > OVERHEAD_THRESHOLD > overheads[-1]
 
 
+# A CPU profile that does not say how much memory it has: sac="auto" decides by the time overhead.
+NO_MEMORY = dataclasses.replace(builtin_profile("cpu"), memory_bytes=0)
+
+
 @pytest.fixture(scope="module")
 def saved():
-    return {(s, str(sac)): cases.saved_bytes(s, sac) for s in (512, 2048) for sac in SACS}
+    return {(s, str(sac)): cases.saved_bytes(s, sac, hardware=NO_MEMORY) for s in (512, 2048) for sac in SACS}
 
 
 def test_attention_is_never_recomputed(saved):
@@ -61,6 +67,41 @@ def test_auto_follows_the_cost_model(saved):
     assert "default partitioner" in short["mode"] and short["forward nodes tagged for recompute"] == 0
     assert short["recomputed FLOP fraction"] == 0  # the default choices never recompute a matmul
     assert "recompute" in long_["mode"] and long_["forward nodes tagged for recompute"] > 0
+
+
+def test_auto_by_memory_recomputes_only_to_fit(saved):
+    seq = 2048
+    off, on = saved[(seq, "False")][0], saved[(seq, "True")][0]
+    # Ample memory (the CPU profile's: this machine's RAM): the program fits, nothing is recomputed.
+    ample, report = cases.saved_bytes(seq, "auto")
+    assert report["memory choice"] == "fits: nothing recomputed", report
+    assert report["forward nodes tagged for recompute"] == 0 and report["recomputed FLOP fraction"] == 0
+    assert ample == off
+    est_off, est_on = report["estimated bytes without recompute"], report["estimated bytes with all recomputed"]
+    assert est_on * 5 < est_off
+    # A budget only SAC-on memory meets: auto recomputes every layer and saves what sac=True saves.
+    tight, report = cases.saved_bytes(seq, "auto", memory_budget=est_on + (est_off - est_on) // 50)
+    assert report["layers recomputed"] == "3 of 3" and "recompute 3 of 3" in report["memory choice"], report
+    assert report["estimated bytes chosen"] <= report["memory budget bytes"]
+    assert tight <= 1.05 * on, (tight, on)
+    # In between: the cheapest layers that fit, not all of them.
+    half, report = cases.saved_bytes(seq, "auto", memory_budget=(est_on + est_off) // 2)
+    assert report["estimated bytes chosen"] <= report["memory budget bytes"]
+    assert report["layers recomputed"] in ("1 of 3", "2 of 3"), report
+    assert on < half < off, (on, half, off)
+
+
+def test_memory_budget_fraction_needs_device_memory():
+    with pytest.raises(Exception, match="fraction of the device's memory"):
+        cases.saved_bytes(64, "auto", memory_budget=0.5, hardware=NO_MEMORY)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, 0.0, "1GB", True])
+def test_bad_memory_budget_is_refused(bad):
+    import autosp
+
+    with pytest.raises(autosp.ConfigError, match="memory_budget="):
+        autosp.compile(torch.nn.Linear(2, 2), memory_budget=bad)
 
 
 def test_random_ops_are_saved_and_results_do_not_change():

@@ -3,7 +3,10 @@
 Always saved: attention (its outputs and log-sum-exp), random ops (recomputing them
 would draw new numbers), and each attention block's input from the residual stream.
 Recomputed when SAC is on: everything else of the forward, matmuls and the
-all-to-alls that feed attention included.
+all-to-alls that feed attention included. ``sac="auto"`` decides by memory when the device's
+memory (the hardware profile's ``memory_bytes``) or ``memory_budget=`` is known: the cheapest
+layers that make the program fit are recomputed, none when it fits (``autosp_sac.budget``);
+otherwise by the estimated time overhead (``autosp_sac.cost``).
 """
 
 from __future__ import annotations
@@ -14,8 +17,9 @@ from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from autosp.context import CompileContext
+from autosp_sac.budget import budget_bytes, plan
 from autosp_sac.cost import OVERHEAD_THRESHOLD, estimate
-from autosp_sac.graph import ATTENTION_KERNELS, analyse, is_random, nbytes
+from autosp_sac.graph import ATTENTION_KERNELS, JointInfo, analyse, is_random, nbytes
 
 
 def attention_ops(ctx: CompileContext) -> frozenset:
@@ -27,28 +31,47 @@ def _is_output_of(node: fx.Node, producers: set[fx.Node]) -> bool:
     return node.target is operator.getitem and node.args[0] in producers
 
 
+def _kept(info: JointInfo) -> tuple[set[fx.Node], set[fx.Node], set[fx.Node]]:
+    """What is always saved: attention and its outputs, layer inputs, random ops and their outputs."""
+    attention = set(info.attention)
+    random = {n for n in info.forward if is_random(n) and n not in attention}
+    keep = attention | set(info.layer_inputs)
+    kept = {n for n in info.forward if n in keep or n in random or _is_output_of(n, attention | random)}
+    return attention, random, kept
+
+
 def tag(gm: fx.GraphModule, ctx: CompileContext) -> None:
     info = analyse(gm, attention_ops(ctx), ctx.num_fwd_outputs)
     costs = estimate(info)
     overhead = costs.overhead(ctx.hardware)
     sac = ctx.options.sac
-    recompute = sac is True or (sac == "auto" and overhead <= OVERHEAD_THRESHOLD)
-    attention = set(info.attention)
-    keep = attention | set(info.layer_inputs)
-    random = {n for n in info.forward if is_random(n) and n not in attention}
+    attention, random, kept = _kept(info)
+    budget = budget_bytes(ctx) if sac == "auto" else None
+    memory = plan(gm, ctx, info, kept, budget) if budget is not None else None
+    if memory is not None:
+        # By memory: only the chosen layers' cheap values are recomputed, none when the program fits.
+        chosen = {n for i in memory.chosen for n in memory.layers[i].nodes}
+        recompute_node = chosen.__contains__
+        recompute = bool(chosen)
+    else:
+        recompute = sac is True or (sac == "auto" and overhead <= OVERHEAD_THRESHOLD)
+        recompute_node = lambda _n: recompute  # noqa: E731
     saved_bytes = recomputed = 0
     for node in info.forward:
         if node in random or _is_output_of(node, random):
             node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
-        elif node in keep or _is_output_of(node, attention):
+        elif node in kept:
             node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
             saved_bytes += nbytes(node) if node not in attention else 0
-        elif recompute:
+        elif recompute_node(node):
             node.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
             recomputed += 1
-    ctx.min_cut = True
+    # A program that fits recomputes nothing: the default partition, as with sac=False (Inductor
+    # partitions by min-cut whatever is asked, and may still recompute cheap pointwise ops).
+    ctx.min_cut = memory is None or recompute
     ctx.report.sac = {
-        "mode": f"{sac} -> {'recompute' if recompute else 'default partitioner choices'}",
+        "mode": f"{sac} -> {'recompute' if recompute else 'default partitioner choices'}"
+                + (" (by memory)" if memory is not None else ""),
         "attention sites kept": len(attention),
         "layer inputs kept": f"{len(info.layer_inputs)} ({saved_bytes / 2**20:.2f} MiB with attention outputs)",
         "forward nodes tagged for recompute": recomputed,
@@ -57,6 +80,8 @@ def tag(gm: fx.GraphModule, ctx: CompileContext) -> None:
         "extra all-to-all bytes": f"{costs.comm_bytes:.3g}",
         "estimated overhead": f"{overhead:.1%} on {ctx.hardware.name} (threshold {OVERHEAD_THRESHOLD:.0%})",
     }
+    if memory is not None:
+        ctx.report.sac.update(memory.describe())
 
 
 __all__ = ["attention_ops", "tag"]
