@@ -1,0 +1,351 @@
+"""Per-rank memory, communication and FLOPs of one partitioned forward/backward pair, as functions of S.
+
+Sizes in the graphs are symbolic in the sequence length (one symbol). Every tensor's bytes is
+an expression in it; the distinct expressions are few, so they are compiled once into one
+function that evaluates all of them at a length.
+
+Liveness walk: parameters (forward placeholders that are parameters) are resident and not
+counted. A node allocates its value's bytes when it runs, unless it is a view (its schema
+says the result aliases an input) or a ``getitem`` of a multi-output op: those keep their
+base alive instead. A base is freed after its last use (any alias's), unless it is an output
+of that graph. The forward's outputs beyond the user's are what the backward keeps (the
+saved bytes); the walk carries them into the backward, where each is freed after its last
+use there (what Inductor's code and AOT's boxed calling convention do). Gradients, the
+backward's outputs, stay allocated to the end of the step.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import sympy
+import torch
+from torch import fx
+
+from autosp.sharding.collectives import COLLECTIVE_OPS
+
+aten = torch.ops.aten
+MATMULS = frozenset({aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default})
+# A flash-style attention backward recomputes the scores and runs four more matmuls: about 2.5x the forward.
+ATTENTION_BACKWARD_FACTOR = 2.5
+
+
+def _expr(x: Any) -> sympy.Expr:
+    if isinstance(x, torch.SymInt):
+        return sympy.sympify(x.node.expr)
+    return sympy.Integer(int(x))
+
+
+def tensor_bytes(val: Any) -> sympy.Expr:
+    """Bytes of a fake tensor, or of the tensors in a tuple of them (0 for anything else)."""
+    if isinstance(val, torch.Tensor):
+        numel = sympy.Integer(1)
+        for s in val.shape:
+            numel *= _expr(s)
+        return numel * val.element_size()
+    if isinstance(val, (tuple, list)):
+        return sympy.Add(*[tensor_bytes(v) for v in val]) if val else sympy.Integer(0)
+    return sympy.Integer(0)
+
+
+def _shape(node: Any) -> list[sympy.Expr]:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return [_expr(s) for s in val.shape] if isinstance(val, torch.Tensor) else []
+
+
+def _is_view(node: fx.Node) -> bool:
+    """Whether the result aliases its first input (a view op, or an element of a view op's list)."""
+    if node.target is operator.getitem:
+        src = node.args[0]
+        return isinstance(src, fx.Node) and src.op == "call_function" and _is_view(src)
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.returns:
+        return False
+    return any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+
+
+def _is_attention_forward(node: fx.Node) -> bool:
+    name = str(node.target)
+    return "attention" in name and "backward" not in name and name.startswith("aten.")
+
+
+def _is_attention_backward(node: fx.Node) -> bool:
+    name = str(node.target)
+    return "attention" in name and "backward" in name and name.startswith("aten.")
+
+
+def _causal(node: fx.Node) -> bool:
+    return node.kwargs.get("is_causal") is True or any(a is True for a in node.args[3:9])
+
+
+def attention_flops(node: fx.Node) -> sympy.Expr:
+    """FLOPs of one attention forward from q ``[B, H, Sq, D]`` and k ``[B, H, Sk, D]``, halved when causal."""
+    q_index = 1 if _is_attention_backward(node) else 0
+    q, k = _shape(node.args[q_index]), _shape(node.args[q_index + 1])
+    if len(q) != 4 or len(k) != 4:
+        return sympy.Integer(0)
+    flops = 4 * q[0] * q[1] * q[2] * k[2] * q[3]
+    return flops / 2 if _causal(node) else flops
+
+
+def matmul_flops(node: fx.Node) -> sympy.Expr:
+    a = node.args[1] if node.target in (aten.addmm.default, aten.baddbmm.default) else node.args[0]
+    out, lhs = _shape(node), _shape(a)
+    if not out or not lhs:
+        return sympy.Integer(0)
+    return 2 * sympy.Mul(*out) * lhs[-1]
+
+
+def collective_kind(node: fx.Node) -> str | None:
+    """``all_to_all``, ``all_gather``, ... for AutoSP's and the functional collectives; waits are not."""
+    if node.op != "call_function":
+        return None
+    if node.target in COLLECTIVE_OPS:
+        return node.target._opname  # type: ignore[union-attr]
+    name = str(node.target)
+    if name.startswith("_c10d_functional.") and "wait_tensor" not in name:
+        base = name.split(".")[1]
+        return {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
+                "all_to_all_single": "all_to_all"}.get(base, base.removesuffix("_"))
+    return None
+
+
+@dataclass
+class Timeline:
+    """Allocation (+) and free (-) events of one graph, as indices into an expression table."""
+
+    events: list[tuple[int, int, bool]] = field(default_factory=list)  # (sign, expression index, is a gradient)
+
+
+class ExprTable:
+    """Distinct byte expressions, evaluated together at one length."""
+
+    def __init__(self, symbol: sympy.Symbol | None) -> None:
+        self.symbol = symbol
+        self.exprs: list[sympy.Expr] = []
+        self.index: dict[sympy.Expr, int] = {}
+        self._fn: Callable[[int], list[float]] | None = None
+        self._cache: dict[int, list[float]] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Compiled functions do not pickle; they are rebuilt on first use.
+        return {**self.__dict__, "_fn": None}
+
+    def add(self, e: sympy.Expr) -> int:
+        if e not in self.index:
+            self.index[e] = len(self.exprs)
+            self.exprs.append(e)
+            self._fn = None
+        return self.index[e]
+
+    def values(self, seq: int) -> list[float]:
+        if seq not in self._cache:
+            if self._fn is None:
+                self._fn = compile_exprs(self.exprs, self.symbol)
+            self._cache[seq] = self._fn(seq)
+        return self._cache[seq]
+
+
+# Integer functions torch's symbolic shapes use, for lambdify (sizes of multiples of P divide exactly).
+_SYMPY_FUNCTIONS = {
+    "FloorDiv": lambda a, b: a // b, "CleanDiv": lambda a, b: a // b, "CeilDiv": lambda a, b: -(-a // b),
+    "IntTrueDiv": lambda a, b: a / b, "Mod": lambda a, b: a % b, "PythonMod": lambda a, b: a % b,
+    "ModularIndexing": lambda a, b, c: (a // b) % c, "Max": max, "Min": min,
+}
+
+
+def compile_exprs(exprs: list[sympy.Expr], symbol: sympy.Symbol | None) -> Callable[[int], list[float]]:
+    """One function evaluating every expression at a length (exact integer arithmetic where sizes are ints)."""
+    if symbol is None:
+        values = [float(e) for e in exprs]
+        return lambda seq: values
+    try:
+        fn = sympy.lambdify([symbol], list(exprs), modules=[_SYMPY_FUNCTIONS, "math"])
+        fn(2**20)  # fails here, not mid-search, on a function lambdify cannot print
+        return lambda seq: [float(v) for v in fn(seq)]
+    except Exception:  # noqa: BLE001 - fall back to exact sympy evaluation
+        return lambda seq: [float(e.xreplace({symbol: sympy.Integer(seq)}).doit()) for e in exprs]
+
+
+@dataclass
+class GraphStats:
+    """What one mode's forward and backward graphs hold, symbolic in the length."""
+
+    table: ExprTable
+    saved: sympy.Expr
+    forward: Timeline
+    backward: Timeline
+    comm: dict[str, list[sympy.Expr]]
+    matmul_flops: sympy.Expr
+    attention_flops: sympy.Expr
+    forward_matmul_flops: sympy.Expr
+    forward_attention_flops: sympy.Expr
+    forward_all_to_all: sympy.Expr
+
+    _fns: dict[sympy.Expr, Callable[[int], list[float]]] = field(default_factory=dict)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_fns": {}}
+
+    def evaluate(self, e: sympy.Expr, seq: int) -> float:
+        if e not in self._fns:
+            self._fns[e] = compile_exprs([e], self.table.symbol)
+        return self._fns[e](seq)[0]
+
+    def peak_parts(self, seq: int) -> PeakParts:
+        """The walk's peak, and the parts a homogeneous layer stack scales linearly (see ``PeakParts``)."""
+        values = self.table.values(seq)
+        act = grad = peak = fwd_peak = bwd_act_peak = grad_at = 0.0
+        for sign, i, _ in self.forward.events:
+            act += sign * values[i]
+            fwd_peak = max(fwd_peak, act)
+        peak = fwd_peak
+        for sign, i, is_grad in self.backward.events:
+            if is_grad:
+                grad += sign * values[i]
+            else:
+                act += sign * values[i]
+            if act > bwd_act_peak:
+                bwd_act_peak, grad_at = act, grad
+            peak = max(peak, act + grad)
+        return PeakParts(peak, fwd_peak, bwd_act_peak, grad_at, grad, act)
+
+    def peak(self, seq: int) -> float:
+        """Most bytes live at once over the forward then the backward (parameters excluded)."""
+        return self.peak_parts(seq).peak
+
+
+@dataclass(frozen=True)
+class PeakParts:
+    """Candidates for the step's peak in an L-layer stack, each linear in L.
+
+    Within the backward, activations fall by one layer's saved bytes per layer while
+    gradients grow by one layer's parameters, so the sum peaks near an end: where the
+    activations peak (plus the gradients made by then), or at the end (all gradients).
+    """
+
+    peak: float
+    forward: float
+    backward_activations: float
+    gradients_then: float
+    gradients: float
+    activations_at_end: float
+
+
+def _bases(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
+    base: dict[fx.Node, fx.Node] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and _is_view(node) and node.args and isinstance(node.args[0], fx.Node):
+            src = node.args[0]
+            if node.target is operator.getitem:  # an element of a view op's list aliases that op's input
+                src = src.args[0]
+            base[node] = base.get(src, src)
+        else:
+            base[node] = node
+    return base
+
+
+def _timeline(gm: fx.GraphModule, table: ExprTable, counted: Callable[[fx.Node], bool],
+              carried: dict[fx.Node, int], grads: bool = False) -> Timeline:
+    """Events of one graph. ``counted`` says which placeholders hold bytes of this step; ``carried`` maps
+    those already live (allocated by the forward) to their expression index: freed here, never allocated."""
+    nodes = list(gm.graph.nodes)
+    base = _bases(gm)
+    outputs = {base[o] for o in gm.graph.output_node().all_input_nodes}
+    last: dict[fx.Node, int] = {}
+    for i, node in enumerate(nodes):
+        for arg in node.all_input_nodes:
+            last[base[arg]] = i
+    frees: dict[int, list[fx.Node]] = defaultdict(list)
+    for b, i in last.items():
+        if b not in outputs:
+            frees[i].append(b)
+    owned: dict[fx.Node, int] = {}
+    t = Timeline()
+    for i, node in enumerate(nodes):
+        if node.op == "placeholder" and counted(node):
+            owned[node] = carried[node] if node in carried else table.add(tensor_bytes(node.meta.get("val")))
+            if node not in carried:
+                t.events.append((1, owned[node], False))
+        elif node.op == "call_function" and base[node] is node and not isinstance(node.meta.get("val"), (tuple, list)):
+            # A multi-output op's tensors are allocated by its getitems: outputs nobody reads are not counted.
+            owned[node] = table.add(tensor_bytes(node.meta.get("val")))
+            # The backward's outputs are the gradients: they stay to the end of the step.
+            t.events.append((1, owned[node], grads and node in outputs))
+            if not node.users and node not in outputs:
+                t.events.append((-1, owned[node], False))
+        for b in frees.get(i, ()):
+            if b in owned:
+                t.events.append((-1, owned[b], False))
+    return t
+
+
+def _seq_symbol(gm: fx.GraphModule) -> sympy.Symbol | None:
+    symbols: set[sympy.Symbol] = set()
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            symbols |= tensor_bytes(node.meta.get("val")).free_symbols
+            val = node.meta.get("val")
+            if isinstance(val, torch.SymInt):
+                symbols |= _expr(val).free_symbols
+    if len(symbols) > 1:
+        raise ValueError(f"the graph has several symbolic sizes ({sorted(map(str, symbols))}); expected only the length")
+    return next(iter(symbols), None)
+
+
+def graph_stats(forward: fx.GraphModule, backward: fx.GraphModule, num_user_outputs: int,
+                param_inputs: set[int]) -> GraphStats:
+    """Statistics of one partitioned pair. ``param_inputs``: forward placeholder positions that are parameters."""
+    table = ExprTable(_seq_symbol(forward))
+    fwd_placeholders = [n for n in forward.graph.nodes if n.op == "placeholder"]
+    params = {fwd_placeholders[i] for i in param_inputs if i < len(fwd_placeholders)}
+    fwd_t = _timeline(forward, table, lambda n: False, {})
+    fwd_base = _bases(forward)
+    outs = forward.graph.output_node().args[0]
+    saved_nodes = [o for o in outs[num_user_outputs:] if isinstance(o, fx.Node)]
+    bwd_placeholders = [n for n in backward.graph.nodes if n.op == "placeholder"]
+    # The backward's leading placeholders are the saved values, in the forward's output order.
+    carried: dict[fx.Node, int] = {}
+    seen_bases: set[fx.Node] = set()
+    saved = sympy.Integer(0)
+    for fwd_node, bwd_node in zip(saved_nodes, bwd_placeholders):
+        b = fwd_base[fwd_node]
+        if b in params or b in seen_bases:
+            continue  # parameters are resident; a storage saved twice is held once
+        seen_bases.add(b)
+        bytes_ = tensor_bytes(b.meta.get("val"))
+        saved += bytes_
+        if b.op != "placeholder":  # inputs (token ids) were never allocated by the walk
+            carried[bwd_node] = table.add(bytes_)
+    bwd_t = _timeline(backward, table, lambda n: n in carried, carried, grads=True)
+    comm: dict[str, list[sympy.Expr]] = defaultdict(list)
+    mm = attn = sympy.Integer(0)
+    fwd_mm = fwd_attn = fwd_a2a = sympy.Integer(0)
+    for gm, is_forward in ((forward, True), (backward, False)):
+        for node in gm.graph.nodes:
+            if node.op != "call_function":
+                continue
+            kind = collective_kind(node)
+            if kind is not None:
+                comm[kind].append(tensor_bytes(node.meta.get("val")))
+                if is_forward and kind == "all_to_all":
+                    fwd_a2a += tensor_bytes(node.meta.get("val"))
+            elif node.target in MATMULS:
+                f = matmul_flops(node)
+                mm += f
+                fwd_mm += f if is_forward else 0
+            elif _is_attention_backward(node):
+                attn += ATTENTION_BACKWARD_FACTOR * attention_flops(node)
+            elif _is_attention_forward(node):
+                f = attention_flops(node)
+                attn += f
+                fwd_attn += f if is_forward else 0
+    return GraphStats(table, saved, fwd_t, bwd_t, dict(comm), mm, attn, fwd_mm, fwd_attn, fwd_a2a)
+
+
+__all__ = ["GraphStats", "attention_flops", "collective_kind", "graph_stats", "matmul_flops", "tensor_bytes"]
