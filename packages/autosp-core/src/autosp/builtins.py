@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from autosp.hardware import BUILTIN_PROFILES
 from autosp.hookspecs import hookimpl
+from autosp.passes.choose_variant import CHOOSE_VARIANT
 from autosp.passes.core import PASSES
 
 
@@ -11,6 +12,7 @@ from autosp.passes.core import PASSES
 def autosp_register_passes(register):
     for p in PASSES:
         register(p)
+    register(CHOOSE_VARIANT)
 
 
 @hookimpl

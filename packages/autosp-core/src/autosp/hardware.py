@@ -75,11 +75,11 @@ class Interconnect:
             return min(self.bandwidth, slowest * (world - 1))
         return self.bandwidth
 
-    def ring_bandwidth(self, world: int) -> float:
-        """Bytes/s of one hop of a ring over local devices 0..world-1: the slowest neighbour link."""
+    def ring_bandwidth(self, world: int, stride: int = 1) -> float:
+        """Bytes/s of one hop of a ring over local devices 0, stride, 2*stride, ...: the slowest link."""
         if world <= 1:
             return math.inf
-        hops = [self.pair(i, (i + 1) % world) for i in range(world)]
+        hops = [self.pair(i * stride, (i + 1) % world * stride) for i in range(world)]
         slowest = min(hops)
         if not slowest:
             slowest = min(x for row in self.peer_bandwidth for x in row if x) / 2
@@ -250,8 +250,11 @@ class HardwareProfile:
         key = dtype_name(dtype)
         return self.attention_flops.get(key) or self.matmul(dtype)
 
-    def collective_seconds(self, kind: CollectiveKind, nbytes: float, world: int) -> float:
-        """Seconds of one ``kind`` collective over ``world`` ranks with ``nbytes`` per rank's input."""
+    def collective_seconds(self, kind: CollectiveKind, nbytes: float, world: int, stride: int = 1) -> float:
+        """Seconds of one ``kind`` collective over ``world`` ranks with ``nbytes`` per rank's input.
+
+        ``stride``: the group's ranks are every stride-th local device (the ring groups of hybrid).
+        """
         if world <= 1 or nbytes <= 0:
             return 0.0
         model = self.comm.get(kind)
@@ -259,7 +262,7 @@ class HardwareProfile:
             return model.seconds(nbytes, world, kind)
         link = self.interconnect
         assert link is not None
-        bw = link.all_to_all_bandwidth(world) if kind == "all_to_all" else link.ring_bandwidth(world)
+        bw = link.all_to_all_bandwidth(world) if kind == "all_to_all" else link.ring_bandwidth(world, stride)
         return steps(kind, world) * link.latency + volume(kind, nbytes, world) / bw
 
     def kernel_for(self, head_dim: int, dtype: torch.dtype | str, gqa: bool) -> AttentionKernel | None:

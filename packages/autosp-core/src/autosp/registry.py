@@ -43,6 +43,15 @@ class Registry:
     def variant(self, name: str) -> SPVariant:
         if name in self.variants:
             return self.variants[name]
+        if name == "auto":
+            from autosp.passes.choose_variant import AUTO_VARIANT, PREFERENCE
+
+            if any(n in self.variants for n in PREFERENCE):
+                return AUTO_VARIANT
+            raise ConfigError(
+                "variant='auto' chooses among the installed variants, and none of ulysses, ring, hybrid is "
+                f"installed: pip install autosp-ulysses (and autosp-ring)"
+            )
         package = KNOWN_PACKAGES.get(name)
         if package:
             raise ConfigError(f"SP variant {name!r} is provided by the {package} package, {self._absent(package)}")

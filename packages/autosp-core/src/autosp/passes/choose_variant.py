@@ -1,0 +1,136 @@
+"""``variant="auto"``: pick the SP variant (and hybrid's degrees) once the attention sites are known.
+
+Candidates are the installed variants whose own ``check`` accepts every site (so a head count
+that Ulysses cannot split simply leaves Ulysses out), plus every hybrid degree that divides the
+heads; the cheapest by ``autosp.variant_cost`` wins, ties going to the simpler variant. The
+report lists each candidate with its estimated communication and time, and why others were left
+out. ``variant="hybrid"`` without degrees gets its degrees the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+from autosp import variant_cost as cost
+from autosp.context import CompileContext
+from autosp.errors import AutoSPError, ConfigError
+from autosp.passes.manager import Pass, Stage
+from autosp.variants import SPVariant
+
+AUTO = "auto"
+DEGREE_KEYS = ("ulysses_degree", "ring_degree")
+PREFERENCE = ("ulysses", "hybrid", "ring")  # ties: fewer moving parts first
+
+Estimator = Callable[..., cost.Estimate]
+
+
+def _unresolved(*args: object) -> None:
+    raise AutoSPError("variant='auto' was not resolved: the autosp.choose_variant pass was disabled; enable it or "
+                      "name a variant")
+
+
+AUTO_VARIANT = SPVariant(
+    name=AUTO,
+    attention_rule=_unresolved,  # type: ignore[arg-type]
+    doc="choose ulysses, ring or hybrid (and its degrees) per compiled graph from heads, sizes and the hardware",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """What ``variant="auto"`` (or hybrid's default degrees) chose, and what it compared."""
+
+    chosen: cost.Estimate
+    candidates: tuple[cost.Estimate, ...]
+    excluded: tuple[str, ...]
+
+
+def _accepts(variant: SPVariant, ctx: CompileContext) -> str | None:
+    """Why ``variant`` refuses a site of this graph, or None."""
+    for site in ctx.sites:
+        try:
+            variant.check(site, ctx.world)
+        except AutoSPError as e:
+            return str(e)
+    return None
+
+
+def candidates(ctx: CompileContext, only: str | None = None) -> tuple[list[cost.Estimate], list[str]]:
+    """Estimates of every installed variant that takes this graph's sites, and why the others were left out."""
+    installed = ctx.registry.variants
+    found, excluded = [], []
+    for name in PREFERENCE:
+        if only is not None and name != only:
+            continue
+        if name not in installed:
+            excluded.append(f"{name}: not installed")
+            continue
+        why = _accepts(installed[name], ctx)
+        if why is not None:
+            excluded.append(f"{name}: {why}")
+            continue
+        if name == "ulysses":
+            found.append(cost.ulysses(ctx.sites, ctx.world, ctx.hardware))
+        elif name == "ring":
+            found.append(cost.ring(ctx.sites, ctx.world, ctx.hardware))
+        else:
+            degrees = cost.hybrid_degrees(ctx.sites, ctx.world)
+            if not degrees:
+                excluded.append(f"hybrid: no ulysses_degree strictly between 1 and {ctx.world} divides sp_size "
+                                "and every head count")
+            found += [cost.hybrid(ctx.sites, ctx.world, ctx.hardware, u) for u in degrees]
+    if only is None:
+        excluded += [f"{n}: no cost model" for n in installed if n not in PREFERENCE]
+    return found, excluded
+
+
+def choose(ctx: CompileContext, only: str | None = None) -> Choice:
+    found, excluded = candidates(ctx, only)
+    if not found:
+        raise AutoSPError(
+            f"variant={ctx.options.variant!r}: no installed variant takes this graph at sp_size={ctx.world} ("
+            + "; ".join(excluded) + "); install autosp-ring (ring takes any head count) or change sp_size"
+        )
+    rank = {name: i for i, name in enumerate(PREFERENCE)}
+    best = min(found, key=lambda e: (e.seconds, rank[e.variant]))
+    return Choice(best, tuple(found), tuple(excluded))
+
+
+def needs_choice(ctx: CompileContext) -> bool:
+    opts = ctx.options
+    hybrid_default = opts.variant == "hybrid" and not any(k in opts.variant_options for k in DEGREE_KEYS)
+    return ctx.sp and (opts.variant == AUTO or hybrid_default)
+
+
+def choose_variant(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
+    asked = ctx.options.variant
+    choice = choose(ctx, only=None if asked == AUTO else "hybrid")
+    best = choice.chosen
+    variant_options = {**ctx.options.variant_options, **best.options}
+    try:
+        ctx.options = dataclasses.replace(ctx.options, variant=best.variant, variant_options=variant_options)
+    except ConfigError as e:  # pragma: no cover - the options were valid before; only the variant changed
+        raise AutoSPError(f"variant {asked!r}: {e}") from e
+    ctx.variant = ctx.registry.variant(best.variant)
+    ctx.put_state(choice)
+    ctx.report.variant = f"{best.label} (chosen by variant={asked!r})"
+    profile = ctx.hardware.name
+    ctx.report.notes.append(f"variant={asked!r} chose {best.label} on {profile}; candidates (attention only, per step):")
+    ctx.report.notes += [f"  {'*' if e is best else ' '} {e.describe()}" for e in choice.candidates]
+    ctx.report.notes += [f"    left out: {x}" for x in choice.excluded]
+
+
+CHOOSE_VARIANT = Pass(
+    "autosp.choose_variant",
+    Stage.GRAPH,
+    choose_variant,
+    requires=("autosp.find_attention",),
+    before=("autosp.lower", "autosp.unrepeat_kv", "autosp.shard"),
+    applies=needs_choice,
+    doc="variant='auto' (and hybrid without degrees): pick the variant and degrees from the sites and the hardware",
+)
+
+__all__ = ["AUTO", "AUTO_VARIANT", "CHOOSE_VARIANT", "Choice", "candidates", "choose", "choose_variant", "needs_choice"]
