@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 
 import autosp
-from autosp.api import CompileOptions, TorchCompileOptions
+from autosp.api import CompileOptions, TorchCompileOptions, VerifyOptions
 
 
 def _keywords(fn) -> set[str]:
@@ -14,6 +14,12 @@ def _keywords(fn) -> set[str]:
 
 def test_compile_options_name_every_keyword_of_compile():
     assert set(CompileOptions.__optional_keys__) == _keywords(autosp.compile) | TorchCompileOptions.__optional_keys__
+
+
+def test_verify_takes_compile_keywords_with_its_own_sp_size_and_group():
+    own = {"sp_size", "group"}
+    assert VerifyOptions.__optional_keys__ == CompileOptions.__optional_keys__ - own
+    assert own <= _keywords(autosp.verify)
 
 
 def test_backend_takes_compile_keywords_but_torch_compile_ones():

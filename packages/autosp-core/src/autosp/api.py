@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Literal, TypedDict
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypedDict, cast
 
 import torch
 
@@ -34,13 +34,11 @@ class TorchCompileOptions(TypedDict, total=False):
     disable: bool
 
 
-class CompileOptions(TorchCompileOptions, total=False):
-    """The keywords of ``autosp.compile``, for functions that take them all (``explain``, ``verify``)."""
+class VerifyOptions(TorchCompileOptions, total=False):
+    """The keywords of ``autosp.compile`` but ``sp_size`` and ``group`` (``autosp.verify`` has its own)."""
 
-    sp_size: int | None
     variant: str
     sac: bool | Literal["auto"]
-    group: ProcessGroup | None
     backend: Backend
     disable_passes: tuple[str, ...]
     grad_bucket_mb: float
@@ -50,6 +48,21 @@ class CompileOptions(TorchCompileOptions, total=False):
     hardware: HardwareOption
     tile_loss: bool | int
     memory_budget: int | float | None
+
+
+class CompileOptions(VerifyOptions, total=False):
+    """The keywords of ``autosp.compile``, for functions that take them all (``autosp.explain``)."""
+
+    sp_size: int | None
+    group: ProcessGroup | None
+
+
+class SPProgram(Protocol):
+    """What ``autosp.compile`` returns: called like the model (a compiled module stays an ``nn.Module``)."""
+
+    autosp_reports: list[Report]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
 
 
 class AutoSPBackend:
@@ -77,7 +90,9 @@ class AutoSPBackend:
         self.runs = GraphRuns()
         self.check_graphs = True
         self.input_check = (
-            InputCheck(self.group, options.check_inputs) if self.world > 1 and options.check_inputs != "off" else None
+            # SPOptions has turned check_inputs=True/False into its mode.
+            InputCheck(self.group, cast("CheckMode", options.check_inputs))
+            if self.world > 1 and options.check_inputs != "off" else None
         )
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
@@ -164,7 +179,7 @@ def compile(  # noqa: A001 - mirrors torch.compile
     tile_loss: bool | int = True,
     memory_budget: int | float | None = None,
     **torch_compile_kwargs: Unpack[TorchCompileOptions],
-) -> Callable[..., Any]:
+) -> SPProgram:
     """Compile ``model`` into a sequence-parallel program.
 
     Every rank of the SP group calls the result with the same full-length inputs
@@ -188,7 +203,7 @@ def compile(  # noqa: A001 - mirrors torch.compile
         # (learned position tables) and its Inductor steps measured 1.9x slower; past Dynamo's
         # recompile limit the guarded call raises, saying to mark the length dynamic or bucket.
         torch_compile_kwargs.setdefault("dynamic", False)
-    compiled = torch.compile(model, backend=be, **torch_compile_kwargs)
+    compiled: Any = torch.compile(model, backend=be, **torch_compile_kwargs)
     if be.world > 1:
         be.check_graphs = False  # checked once per call, before Dynamo, by the guarded call
         call = GuardedCall(compiled.forward if isinstance(compiled, torch.nn.Module) else compiled, model,
@@ -202,7 +217,7 @@ def compile(  # noqa: A001 - mirrors torch.compile
         from autosp.verify import verify_on_first_call
 
         verify_on_first_call(compiled, model, be, torch_compile_kwargs)
-    return compiled
+    return cast(SPProgram, compiled)
 
 
 def explain(model: Callable[..., Any], *example_inputs: Any, **options: Unpack[CompileOptions]) -> str:
@@ -222,4 +237,14 @@ def dynamo_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Calla
     return AutoSPBackend(SPOptions())(gm, example_inputs)
 
 
-__all__ = ["AutoSPBackend", "CompileOptions", "TorchCompileOptions", "backend", "compile", "dynamo_backend", "explain"]
+__all__ = [
+    "AutoSPBackend",
+    "CompileOptions",
+    "SPProgram",
+    "TorchCompileOptions",
+    "VerifyOptions",
+    "backend",
+    "compile",
+    "dynamo_backend",
+    "explain",
+]

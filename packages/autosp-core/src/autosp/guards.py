@@ -83,7 +83,7 @@ def recompile_message(leaves: Sequence[Leaf], seen: Sequence[str]) -> str:
     example = "input_ids, 1"
     if tensors:
         t = tensors[0]
-        example = f"{t.path}, {1 if t.tensor.dim() > 1 else 0}"
+        example = f"{t.path}, {1 if t.tensor is not None and t.tensor.dim() > 1 else 0}"
     earlier = "; ".join(seen) if seen else "none recorded"
     return (
         f"Dynamo's recompile limit is reached (torch._dynamo.config.recompile_limit={limit}): this call "

@@ -64,7 +64,8 @@ class SPOptions:
     hardware: HardwareOption = None
 
     def __post_init__(self) -> None:
-        check = {False: "off", True: "shapes"}.get(self.check_inputs, self.check_inputs)  # type: ignore[call-overload]
+        aliases: dict[object, str] = {False: "off", True: "shapes"}
+        check = aliases.get(self.check_inputs, self.check_inputs)
         if check not in CHECK_MODES:
             raise ConfigError(f"check_inputs={self.check_inputs!r}; use 'shapes', 'hash' or 'off' (or False)")
         object.__setattr__(self, "check_inputs", check)
@@ -165,7 +166,8 @@ def group_timeout(group: Any) -> timedelta | None:
     """The timeout a process group was made with (``None`` if its backend does not say)."""
     try:
         backends = [group._get_backend(device) for device in group._device_types]
-        return next(b.options._timeout for b in backends if hasattr(b, "options"))
+        timeout: timedelta = next(b.options._timeout for b in backends if hasattr(b, "options"))
+        return timeout
     except (AttributeError, RuntimeError, StopIteration):
         return None
 

@@ -50,7 +50,7 @@ class Registry:
                 return AUTO_VARIANT
             raise ConfigError(
                 "variant='auto' chooses among the installed variants, and none of ulysses, ring, hybrid is "
-                f"installed: pip install autosp-ulysses (and autosp-ring)"
+                "installed: pip install autosp-ulysses (and autosp-ring)"
             )
         package = KNOWN_PACKAGES.get(name)
         if package:
@@ -73,7 +73,7 @@ class Registry:
         return sorted(name for name, plugin in self.manager.list_name_plugin() if plugin is not None)
 
 
-def _adder(kind: str, table: dict[str, Any]):
+def _adder(kind: str, table: dict[str, Any]) -> Callable[[Any], None]:
     def register(item: Any) -> None:
         if item.name in table:
             raise ConfigError(f"two plugins register the {kind} {item.name!r}; block one with {BLOCK_ENV}")
@@ -82,7 +82,7 @@ def _adder(kind: str, table: dict[str, Any]):
     return register
 
 
-def _rule_adder(table: dict[Any, Callable[..., Any]]):
+def _rule_adder(table: dict[Any, Callable[..., Any]]) -> Callable[..., None]:
     from autosp.sharding.rules.base import declare
 
     def register(op: Any, rule: Callable[..., Any], *, accepts: Iterable[type] = ()) -> None:

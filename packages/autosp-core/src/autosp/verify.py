@@ -13,7 +13,7 @@ import copy
 import zlib
 from collections import Counter
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,12 @@ from autosp.errors import ConfigError, VerificationError
 from autosp.options import SPOptions, resolve_group
 from autosp.report import Report
 from autosp.verify_compare import DEFAULT_TOLERANCES, Run, TensorCheck, VerifyReport, compare_runs, tolerances
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from typing_extensions import Unpack
+
+    from autosp.api import TorchCompileOptions, VerifyOptions
 
 _PLAIN = (int, float, bool, complex, str, type(None), torch.dtype, torch.device)
 _WEIGHT_SEED = 0x5EED
@@ -54,12 +60,12 @@ def _check_model(model: Any) -> None:
             )
 
 
-def _input_name(path: tuple) -> str:
+def _input_name(path: tuple[Any, ...]) -> str:
     """``input[0]`` for a positional input, ``input['mask']`` for a keyword one (path into (args, kwargs))."""
     return "input" + pytree.keystr(path[1:])
 
 
-def _check_inputs(args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
+def _check_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[str, Any]]:
     """Named leaves of the inputs; refuses anything that cannot be fed twice, identically."""
     named = []
     for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
@@ -116,7 +122,7 @@ def _weight(index: int, out: torch.Tensor, lone_scalar: bool) -> torch.Tensor | 
     return w.to(device=out.device, dtype=torch.float64 if out.dtype == torch.float64 else torch.float32)
 
 
-def _run(call: Callable[..., Any], module: torch.nn.Module, args: tuple, kwargs: dict,
+def _run(call: Callable[..., Any], module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
          selected: tuple[list[int], bool] | None, problems: list[str]) -> tuple[Run, tuple[list[int], bool]]:
     """One forward and backward.
 
@@ -240,7 +246,7 @@ def _inside_verify() -> Iterator[None]:
 # --- the check -----------------------------------------------------------------------------------
 
 
-def _verify(model: torch.nn.Module, args: tuple, kwargs: dict, named_inputs: list[tuple[str, Any]], group: Any,
+def _verify(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], named_inputs: list[tuple[str, Any]], group: Any,
             world: int, rtol: float | None, atol: float | None, compile_copy: CompileCopy) -> VerifyReport:
     try:
         sp_model, ref_model = copy.deepcopy(model), copy.deepcopy(model)
@@ -252,7 +258,7 @@ def _verify(model: torch.nn.Module, args: tuple, kwargs: dict, named_inputs: lis
     first_report = len(reports)
     rank = dist.get_rank(group) if world > 1 else 0
     if world > 1:
-        state = [(f"parameter {n}", p) for n, p in model.named_parameters()]
+        state: list[tuple[str, torch.Tensor]] = [(f"parameter {n}", p) for n, p in model.named_parameters()]
         state += [(f"buffer {n}", b) for n, b in model.named_buffers()]
         _check_same_on_every_rank(named_inputs + state, group, world)
 
@@ -293,11 +299,11 @@ def verify(
     model: torch.nn.Module,
     *inputs: Any,
     sp_size: int | None = None,
-    group: Any = None,
+    group: ProcessGroup | None = None,
     rtol: float | None = None,
     atol: float | None = None,
     input_kwargs: dict[str, Any] | None = None,
-    **options: Any,
+    **options: Unpack[VerifyOptions],
 ) -> VerifyReport:
     """Run ``model`` as the SP program and on one device, on every rank; compare outputs and gradients.
 
@@ -344,7 +350,7 @@ def verify(
     return _verify(model, inputs, kwargs, named_inputs, group, world, rtol, atol, compile_copy)
 
 
-def verify_on_first_call(compiled: Any, model: Any, backend: Any, torch_compile_kwargs: dict[str, Any]) -> None:
+def verify_on_first_call(compiled: Any, model: Any, backend: Any, torch_compile_kwargs: TorchCompileOptions) -> None:
     """``AUTOSP_VERIFY=1``: the first call of ``compiled`` first verifies ``model`` on its inputs.
 
     The copy is compiled with ``compiled``'s own backend, so the user's call reuses that graph
@@ -364,7 +370,7 @@ def verify_on_first_call(compiled: Any, model: Any, backend: Any, torch_compile_
     def compile_copy(sp_model: torch.nn.Module) -> tuple[Callable[..., Any], list[Report]]:
         return torch.compile(sp_model, backend=backend, **torch_compile_kwargs), backend.reports
 
-    def first_call(_module: Any, args: tuple, kwargs: dict) -> None:
+    def first_call(_module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         _check_model(model)
         named_inputs = _check_inputs(args, kwargs)
         _verify(model, args, kwargs, named_inputs, backend.group, backend.world, None, None, compile_copy)
