@@ -34,18 +34,22 @@ from autosp.report import Report
 
 @dataclass(frozen=True)
 class Mode:
-    """One way to run the model: an AutoSP variant and SAC setting, or hand-written Ulysses.
+    """One way to run the model: an AutoSP variant, a SAC setting and the compiler after AutoSP.
 
-    ``handwritten`` keeps activations as eager does: SAC off and AOT's default partitioner
-    (AutoSP's Inductor path always uses the min-cut partitioner, which the planner models
-    by asking for it).
+    ``backend`` decides the partitioner as AutoSP's compile does: "inductor" always partitions by
+    min-cut; "aot_eager" uses AOT's default partitioner unless a pass (SAC) asks for min-cut.
+    Hand-written Ulysses keeps activations as eager does: SAC off, "aot_eager".
     """
 
     name: str
     variant: str = "ulysses"
     sac: bool | str = False
-    handwritten: bool = False
+    backend: str = "inductor"
     variant_options: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def handwritten(self) -> bool:
+        return self.sac is False and self.backend == "aot_eager"
 
 
 @dataclass
@@ -110,8 +114,8 @@ def _compile_variant(gm: fx.GraphModule, example_inputs: Sequence[Any], modes: S
         for mode in modes:
             mctx = dataclasses.replace(ctx, options=_options(mode, sp), _plugin_state={},
                                        report=Report(ctx.graph_id, mode.variant, sp, ctx.rank, "aot_eager"))
-            # AutoSP's Inductor path always partitions by min-cut; hand-written Ulysses keeps the default.
-            mctx.min_cut = not mode.handwritten
+            # AutoSP's Inductor path always partitions by min-cut (compile_graph); aot_eager only when asked.
+            mctx.min_cut = mode.backend == "inductor"
             r = results[mode.name]
             try:
                 fw, bw = _Partitioner(manager, mctx)(_copy(joint), joint_inputs, **kwargs)

@@ -23,7 +23,7 @@ def default_modes(sp: int, heads: int) -> list[Mode]:
         return [
             Mode("SAC off", sac=False),
             Mode("SAC on", sac=True),
-            Mode("no SP, eager-like", sac=False, handwritten=True),
+            Mode("no SP, eager-like", sac=False, backend="aot_eager"),
         ]
     variants = get_registry().variants
     modes = [Mode("ulysses, SAC off", "ulysses", False), Mode("ulysses, SAC on", "ulysses", True)]
@@ -34,7 +34,7 @@ def default_modes(sp: int, heads: int) -> list[Mode]:
         modes.append(Mode(f"hybrid u={u}, SAC on", "hybrid", True, variant_options=(("ulysses_degree", u),)))
     if "auto" in variants:
         modes.append(Mode("auto variant, SAC auto", "auto", "auto"))
-    modes.append(Mode("hand-written Ulysses", "ulysses", False, handwritten=True))
+    modes.append(Mode("hand-written Ulysses", "ulysses", False, backend="aot_eager"))
     return modes
 
 
