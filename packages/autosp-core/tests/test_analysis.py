@@ -5,13 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from _core_helpers import capture_graphs
 
 import autosp
 from autosp import AttentionSpec, AutoSPError
 from autosp.analysis.attention import find_attention_sites
 from autosp.lowering import SDPA
-
-from _core_helpers import capture_graphs
 
 
 def _sites(graphs, specs=(SDPA,)):

@@ -12,7 +12,13 @@ import torch.nn.functional as F
 import autosp
 from autosp.errors import ConfigError
 from autosp.hardware import (
-    AttentionKernel, CommModel, HardwareProfile, Interconnect, builtin_profile, load_profile, select_profile,
+    AttentionKernel,
+    CommModel,
+    HardwareProfile,
+    Interconnect,
+    builtin_profile,
+    load_profile,
+    select_profile,
 )
 from autosp.hardware_io import from_dict, save, to_dict
 

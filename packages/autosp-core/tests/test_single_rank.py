@@ -8,11 +8,10 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
+from _core_helpers import TinyAttention
 from torch.testing import assert_close
 
 import autosp
-
-from _core_helpers import TinyAttention
 
 
 def _grads(model):

@@ -18,8 +18,8 @@ from autosp import SPOptions  # noqa: E402
 from autosp.compiler import make_context  # noqa: E402
 from autosp.lowering import SDPA  # noqa: E402
 from autosp.passes.core import lower  # noqa: E402
-from autosp.registry import get_registry  # noqa: E402
 from autosp.passes.unrepeat import UNREPEAT_KV, find_repeat_base, unrepeat_kv  # noqa: E402
+from autosp.registry import get_registry  # noqa: E402
 
 
 def _lower_and_unrepeat(model, *inputs):

@@ -7,14 +7,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from autosp_rocm import MI250X, MI300X, MI325X, MI355X, apply_rccl_settings, lse_base, rocm_kernels
+from autosp_rocm.kernels import LSE_BASE_ENV
+from autosp_rocm.rccl import recommended
 
 from autosp.hardware import builtin_profile
 from autosp.hardware_select import resolve
 from autosp.registry import get_registry
-
-from autosp_rocm import MI250X, MI300X, MI325X, MI355X, apply_rccl_settings, lse_base, rocm_kernels
-from autosp_rocm.kernels import LSE_BASE_ENV
-from autosp_rocm.rccl import recommended
 
 GiB = 2**30
 

@@ -8,12 +8,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from autosp_rocm.gqa import RepeatKVForKernel
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import autosp
 from autosp.hardware import builtin_profile
-
-from autosp_rocm.gqa import RepeatKVForKernel
 
 aten = torch.ops.aten
 

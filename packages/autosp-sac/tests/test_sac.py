@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import _sac_cases as cases
 import dataclasses
 
+import _sac_cases as cases
 import pytest
 import torch
 from harness import run_spmd

@@ -6,7 +6,6 @@ import torch
 
 from autosp import hookimpl
 from autosp.hardware import HardwareProfile
-
 from autosp_rocm.detect import detect, match
 from autosp_rocm.gqa import GQA_PASS, GQA_REPORT
 from autosp_rocm.profiles import ROCM_PROFILES

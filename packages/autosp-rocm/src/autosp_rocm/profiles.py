@@ -7,7 +7,6 @@ one device, so its profile is per GCD (half the package's compute, memory and ba
 from __future__ import annotations
 
 from autosp.hardware import HardwareProfile, Interconnect
-
 from autosp_rocm.kernels import rocm_kernels
 
 GB = 1e9

@@ -65,7 +65,7 @@ class Plan:
 
     def estimate(self, chosen: list[int] | None = None) -> int:
         picked = set(self.chosen if chosen is None else chosen)
-        return self.fixed + sum(l.saved_on if i in picked else l.saved_off for i, l in enumerate(self.layers))
+        return self.fixed + sum(layer.saved_on if i in picked else layer.saved_off for i, layer in enumerate(self.layers))
 
     def describe(self) -> dict[str, str | int]:
         off, on = self.estimate([]), self.estimate(list(range(len(self.layers))))
@@ -114,7 +114,7 @@ def plan(gm: fx.GraphModule, ctx: CompileContext, info: JointInfo, keep: set[fx.
     layers = _layers(gm, info, keep, ctx.hardware)
     p = Plan(2 * params, layers, [], *budget)
     need = p.estimate([]) - p.budget
-    order = sorted((i for i, l in enumerate(layers) if l.gain > 0), key=lambda i: layers[i].seconds / layers[i].gain)
+    order = sorted((i for i, layer in enumerate(layers) if layer.gain > 0), key=lambda i: layers[i].seconds / layers[i].gain)
     for i in order:
         if need <= 0:
             break

@@ -111,7 +111,7 @@ def plan(
     if auto is not None:
         rows.insert(2, (auto[2], "auto", auto[0].unit))
     if seq is not None:
-        for name, m, unit in rows:
+        for _name, m, unit in rows:
             if seq % unit:
                 continue
             p.estimates.append(at(m, seq))

@@ -21,7 +21,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import fx
-
 from torch._functorch.aot_autograd import aot_module_simplified
 
 from autosp.compiler import _Partitioner, make_context

@@ -16,7 +16,6 @@ backward's outputs, stay allocated to the end of the step.
 
 from __future__ import annotations
 
-import math
 import operator
 from collections import defaultdict
 from collections.abc import Callable

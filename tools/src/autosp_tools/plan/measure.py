@@ -10,6 +10,8 @@ activations, temporaries and the gradients as they appear). On CUDA the peak is 
 
 from __future__ import annotations
 
+import statistics
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,10 +43,20 @@ class Case:
 
 
 def shipped_model(layers: int = SHIPPED.layers, config: ModelConfig = SHIPPED) -> torch.nn.Module:
-    """The shipped model with ``layers`` layers (what ``autosp-plan`` compiles on fake tensors)."""
+    """The shipped model with ``layers`` layers, in the default dtype (what ``autosp-plan`` compiles on fakes).
+
+    Its floating buffers (RoPE frequencies, made in fp32 on purpose) follow the parameters, as
+    ``model.to(dtype)`` would do; ``.to`` itself cannot swap fake parameters.
+    """
     from dataclasses import replace
 
-    return build_model(replace(config, layers=layers))
+    model = build_model(replace(config, layers=layers))
+    dtype = torch.get_default_dtype()
+    for module in model.modules():
+        for name, buf in list(module.named_buffers(recurse=False)):
+            if buf is not None and buf.is_floating_point() and buf.dtype != dtype:
+                setattr(module, name, buf.to(dtype))
+    return model
 
 
 def _tracker() -> Any:
@@ -73,7 +85,6 @@ def _saved_bytes(step: Any, params: list[torch.Tensor]) -> int:
 def measure(case: Case, rank: int, world: int) -> dict[str, Any]:
     """Per-rank saved bytes and step peak of the real program (rank 0's values are returned by ``launch``)."""
     import autosp
-
     from autosp_tools.plan.api import DTYPES
 
     torch._dynamo.reset()
@@ -84,10 +95,12 @@ def measure(case: Case, rank: int, world: int) -> dict[str, Any]:
     before = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        model = build_model(case.model).to(device)
+        model = shipped_model(case.model.layers, case.model).to(device)
     finally:
         torch.set_default_dtype(before)
-    opts = {"sp_size": world} if world > 1 else {}
+    opts: dict[str, Any] = {"sp_size": world} if world > 1 else {}
+    if case.extra.get("fake_world"):
+        opts["check_inputs"] = False  # a fake group's all-gather returns no real values to compare
     compiled = autosp.compile(model, sac=case.sac, backend=case.backend, **opts)
     ids = torch.randint(0, case.model.vocab, (1, case.seq), generator=torch.Generator().manual_seed(1)).to(device)
 
@@ -99,9 +112,19 @@ def measure(case: Case, rank: int, world: int) -> dict[str, Any]:
 
     step()
     model.zero_grad(set_to_none=True)
+    times = []
+    for _ in range(int(case.extra.get("time_steps", 0))):
+        _sync(device)
+        start = time.perf_counter()
+        step()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+        model.zero_grad(set_to_none=True)
     saved = _saved_bytes(step, list(model.parameters()))
     model.zero_grad(set_to_none=True)
     result: dict[str, Any] = {"saved_bytes": saved}
+    if times:
+        result["step_s"] = statistics.median(times)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         base = torch.cuda.memory_allocated(device)
@@ -118,13 +141,27 @@ def measure(case: Case, rank: int, world: int) -> dict[str, Any]:
     return result
 
 
+def measure_fake_world(case: Case) -> dict[str, Any]:
+    """Rank 0 of a ``case.sp``-rank program run for real in this process, the other ranks a fake group."""
+    from dataclasses import replace
+
+    from autosp_tools.plan.capture import fake_group
+
+    with fake_group(case.sp):
+        return measure(replace(case, extra={**case.extra, "fake_world": True}), 0, case.sp)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def predict(case: Case) -> dict[str, Any]:
     """What ``autosp-plan`` predicts for the same program (the whole model compiled, no scaling)."""
+    from autosp_tools.plan.api import DTYPES
     from autosp_tools.plan.capture import Mode
     from autosp_tools.plan.models import ModelSource
     from autosp_tools.plan.planner import build_models
-
-    from autosp_tools.plan.api import DTYPES
 
     source = ModelSource(f"shipped/{case.model.dim}", case.model.layers, lambda n: shipped_model(n, case.model),
                          scalable=False, heads=case.model.heads)
@@ -136,4 +173,4 @@ def predict(case: Case) -> dict[str, Any]:
     return {"saved_bytes": m.scaled(lambda s: s.evaluate(s.saved, case.seq)), "peak_bytes": m.peak(case.seq)}
 
 
-__all__ = ["SHIPPED", "TINY", "Case", "measure", "predict", "shipped_model"]
+__all__ = ["SHIPPED", "TINY", "Case", "measure", "measure_fake_world", "predict", "shipped_model"]

@@ -19,7 +19,7 @@ from autosp.errors import ConfigError
 from autosp_tools.plan.capture import Captured, Mode, fake_group, trace_modes
 from autosp_tools.plan.graphstats import GraphStats, graph_stats
 from autosp_tools.plan.hardware import Device
-from autosp_tools.plan.layout import Layout, StateBytes, state_bytes
+from autosp_tools.plan.layout import Layout, StateBytes
 from autosp_tools.plan.models import ModelSource
 from autosp_tools.plan.modes import seq_unit
 
