@@ -9,7 +9,7 @@ thing everywhere.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -224,7 +224,7 @@ def hf_causal_lm(
     """
     import transformers
 
-    sizes = dict(
+    sizes: dict[str, Any] = dict(
         vocab_size=vocab, hidden_size=dim, intermediate_size=hidden, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_len,
         tie_word_embeddings=False, use_cache=False, attn_implementation="sdpa",
