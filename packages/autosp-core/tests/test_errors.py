@@ -122,12 +122,6 @@ def _autosp_error(kind):
     return kind in ("AutoSPError", "BackendCompilerFailed>AutoSPError")
 
 
-def test_spmd_no_attention_site(spmd_errors):
-    kind, msg = _on_every_rank(spmd_errors, "no_attention")
-    assert _autosp_error(kind), kind
-    assert "no attention site was found" in msg and "sp_size=1" in msg
-
-
 def test_spmd_sequence_not_divisible(spmd_errors):
     kind, msg = _on_every_rank(spmd_errors, "seq_not_divisible")
     assert _autosp_error(kind), kind

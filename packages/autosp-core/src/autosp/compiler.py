@@ -151,6 +151,9 @@ def compile_graph(
     group: Any, world: int, reports: list[Report] | None = None,
 ) -> Callable[..., Any]:
     ctx = make_context(gm, example_inputs, options, registry, group, world)
+    # Graphs of one program compile in the order they first run: a piece after a graph break
+    # learns the sequence length from the piece with attention before it.
+    ctx.known_seq_len = next((r.seq_len for r in reversed(reports or []) if r.seq_len is not None), None)
     manager = PassManager(list(registry.passes.values()), options.disable_passes)
     ctx.report.passes = manager.records
     if reports is not None:

@@ -33,7 +33,10 @@ class CompileContext:
         sites: attention sites found in the graph.
         report: filled as passes run.
         min_cut: set by passes that need the min-cut partitioner (recompute tags).
-        seq_len: the sequence length the attention sites agree on (set by ``autosp.find_attention``).
+        seq_len: the sequence length the attention sites agree on (set by ``autosp.lower``); ``None``
+            when the graph runs whole on every rank.
+        known_seq_len: the length of the last graph of this program compiled with attention: a graph
+            without attention (after a graph break) shards its inputs of this length.
         num_fwd_outputs: outputs of the joint graph that belong to the forward (set before the joint stage).
         variant_state: what ``SPVariant.prepare`` returned for this compile (subgroups, tables).
     """
@@ -55,6 +58,7 @@ class CompileContext:
     sites: list[AttentionSite] = field(default_factory=list)
     min_cut: bool = False
     seq_len: int | torch.SymInt | None = None
+    known_seq_len: int | None = None
     num_fwd_outputs: int | None = None
     variant_state: Any = None
     _plugin_state: dict[type, Any] = field(default_factory=dict)

@@ -71,22 +71,33 @@ def insert_leaves(gm: torch.fx.GraphModule, specs: Sequence[AttentionSpec]) -> i
     """Point attention calls at their leaf ops; return how many were replaced."""
     leaf_of = {t: s.leaf for s in specs if s.leaf is not None for t in s.targets}
     count = 0
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in leaf_of:
-            node.target = leaf_of[node.target]
-            count += 1
-    if count:
-        gm.recompile()
+    # Subgraphs too: attention inside ``torch.utils.checkpoint`` sits in a higher-order op's body.
+    for module in gm.modules():
+        if not isinstance(module, torch.fx.GraphModule):
+            continue
+        replaced = 0
+        for node in module.graph.nodes:
+            if node.op == "call_function" and node.target in leaf_of:
+                node.target = leaf_of[node.target]
+                replaced += 1
+        if replaced:
+            module.recompile()
+            count += replaced
     return count
 
 
 def lower_to_aten(gm: torch.fx.GraphModule, fake_inputs: Sequence[Any], fake_mode: Any) -> torch.fx.GraphModule:
     """Trace ``gm`` into functional aten ops on fake inputs (meta ``val`` on every node)."""
     from torch._dispatch.python import enable_python_dispatcher
+    from torch.fx import traceback as fx_traceback
     from torch.func import functionalize
 
-    with fake_mode, enable_python_dispatcher():
-        return make_fx(functionalize(gm, remove="mutations"), pre_dispatch=False)(*fake_inputs)
+    def run(*args: Any) -> Any:
+        # Node by node, so each aten node keeps the source line of the op it came from (for messages).
+        return torch.fx.Interpreter(gm).run(*args)
+
+    with fake_mode, enable_python_dispatcher(), fx_traceback.preserve_node_meta():
+        return make_fx(functionalize(run, remove="mutations"), pre_dispatch=False)(*fake_inputs)
 
 
 __all__ = ["SDPA", "insert_leaves", "lower_to_aten", "sdpa_args", "sdpa_leaf"]

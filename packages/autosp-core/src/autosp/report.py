@@ -27,6 +27,8 @@ class Report:
     sac: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     hardware: str = ""
+    seq_len: int | None = None  # the sequence length this graph sharded, if any
+    outputs: list[str] = field(default_factory=list)  # what leaves the graph (crosses a graph break)
 
     def __str__(self) -> str:
         lines = [
@@ -34,12 +36,18 @@ class Report:
             f"backend={self.backend}",
             f"  attention sites: {len(self.sites)}",
         ]
+        if self.sp_size > 1:
+            lines.insert(1, f"  sequence length {self.seq_len} sharded over {self.sp_size} ranks" if self.seq_len
+                         else "  no sequence sharded: the graph runs whole on every rank")
         if self.hardware:
             lines.insert(1, f"  hardware profile: {self.hardware}")
         lines += [f"    {s.describe()}" for s in self.sites]
         if self.inputs:
             lines.append("  inputs:")
             lines += [f"    {i}" for i in self.inputs]
+        if self.outputs:
+            lines.append("  outputs:")
+            lines += [f"    {o}" for o in self.outputs]
         if self.passes:
             lines.append("  passes:")
             lines += [

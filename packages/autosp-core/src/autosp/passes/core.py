@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from autosp.analysis.attention import find_attention_sites, hint
+from autosp.analysis.eager import EagerRegion, find_eager_regions, region_site, rewrite_region
 from autosp.context import CompileContext
 from autosp.errors import AutoSPError
 from autosp.lowering import SDPA, insert_leaves, lower_to_aten
@@ -39,15 +40,29 @@ def find_attention(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
         except AutoSPError as e:
             ctx.report.notes.append(f"attention analysis skipped: {e}")
         return
+    # Attention written out by hand is found after lowering (``autosp.lower``), where it is canonical.
     ctx.sites = find_attention_sites(gm, _specs(ctx))
     ctx.report.sites = list(ctx.sites)
-    if not ctx.sites:
-        raise AutoSPError(
-            "no attention site was found in the compiled graph, so AutoSP cannot tell where the sequence is "
-            "and would change results; use F.scaled_dot_product_attention, register your attention op with an "
-            "autosp plugin (autosp_register_attention), or compile with sp_size=1"
-        )
+
+
+def _settle_sequence(ctx: CompileContext, written_out: list[EagerRegion]) -> None:
+    """The sequence length this graph shards, from its attention or, lacking any, an earlier graph's."""
     lengths = [_concrete(s.seq_len) for s in ctx.sites] + [_concrete(s.kv_seq_len) for s in ctx.sites]
+    lengths += [_concrete(r.q.meta["val"].shape[2]) for r in written_out]
+    lengths += [_concrete(r.k.meta["val"].shape[2]) for r in written_out]
+    if not lengths:
+        known = ctx.known_seq_len
+        static = all(isinstance(d, int) for x in ctx.fake_inputs if isinstance(x, torch.Tensor) for d in x.shape)
+        if known is None or not static:
+            why = "no earlier graph had attention" if known is None else "its input sizes are symbolic"
+            ctx.report.notes.append(
+                f"no attention in this graph and {why}: it runs whole on every rank (exact; no sequence "
+                "parallelism or memory saving for it)")
+            return
+        ctx.report.notes.append(
+            f"no attention in this graph: sharding inputs of sequence length {known}, the length of the last "
+            "compiled graph with attention (a graph break splits the model)")
+        lengths = [known]
     seq = lengths[0]
     # With a symbolic length these comparisons become guards: a length that breaks them recompiles.
     if any(n != seq for n in lengths):
@@ -64,6 +79,7 @@ def find_attention(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
     for site in ctx.sites:
         ctx.variant.check(site, ctx.world)
     ctx.seq_len = seq
+    ctx.report.seq_len = hint(seq)
     for name, x, param in zip(ctx.input_names, ctx.fake_inputs, ctx.is_param):
         if isinstance(x, torch.Tensor) and not param:
             dim = guess_seq_dim(x.shape, seq)
@@ -71,11 +87,38 @@ def find_attention(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
             ctx.report.inputs.append(f"{name} {list(x.shape)}: {where}")
 
 
+def _take_written_out(aten_gm: torch.fx.GraphModule, ctx: CompileContext) -> tuple[bool, list[EagerRegion]]:
+    """Turn hand-written attention into SDPA calls where that computes the same; return what stays written."""
+    changed, kept = False, []
+    for region in find_eager_regions(aten_gm):
+        if region.why_not is None:
+            try:
+                ctx.variant.check(region_site(region), ctx.world)
+            except AutoSPError as e:
+                region.why_not = f"variant {ctx.options.variant!r} cannot take it as attention ({e})"
+        if region.why_not is not None:
+            ctx.report.notes.append(
+                f"attention written out at {region.line} kept as written, {region.why_not}: each rank computes "
+                "its rows of the scores against k and v gathered whole (exact; no variant rewrite)")
+            kept.append(region)
+            continue
+        rewrite_region(aten_gm, region, SDPA.leaf)
+        ctx.report.notes.append(f"attention written out at {region.line} computed as one SDPA call")
+        changed = True
+    return changed, kept
+
+
 def lower(gm: torch.fx.GraphModule, ctx: CompileContext) -> torch.fx.GraphModule:
     insert_leaves(gm, _specs(ctx))
     aten_gm = lower_to_aten(gm, ctx.fake_inputs, ctx.fake_mode)
+    changed, written_out = _take_written_out(aten_gm, ctx)
+    if changed:
+        # Once more, so that the new nodes carry meta values like every other.
+        aten_gm = lower_to_aten(aten_gm, ctx.fake_inputs, ctx.fake_mode)
     # Sites again, now keyed by the lowered graph's node names.
     ctx.sites = find_attention_sites(aten_gm, _specs(ctx))
+    ctx.report.sites = list(ctx.sites)
+    _settle_sequence(ctx, written_out)
     return aten_gm
 
 
@@ -108,6 +151,7 @@ def shard(gm: torch.fx.GraphModule, ctx: CompileContext) -> torch.fx.GraphModule
             ctx.report.collectives[node.target._opname] += 1
     ctx.report.collectives["shard_start"] += sp.counts["shard_start"]
     ctx.report.fallbacks.extend(sp.fallbacks)
+    ctx.report.outputs = list(sp.outputs)
     return out
 
 

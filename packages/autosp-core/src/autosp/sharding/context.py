@@ -61,6 +61,7 @@ class SPContext:
     sites: dict[str, AttentionSite] = field(default_factory=dict)
     counts: Counter = field(default_factory=Counter)
     fallbacks: list[str] = field(default_factory=list)
+    outputs: list[str] = field(default_factory=list)  # how each tensor output leaves the graph
     variant_options: dict[str, Any] = field(default_factory=dict)
     layout_fn: Callable[[IntLike, int, dict[str, Any]], Layout | None] | None = None
     rules: Mapping[Any, Callable[..., Any]] = field(default_factory=_core_rules)

@@ -78,6 +78,9 @@ def finish(ctx: SPContext, v: Any) -> Any:
     """Whole outputs on every rank, with backward formulas for a gradient that arrives whole."""
     if not isinstance(v, SPValue):
         return v
+    shape = [int(n) if isinstance(n, int) else str(n) for n in v.gval.shape]
+    ctx.outputs.append(f"{shape} {type(v.placement).__name__.lower()}" + (
+        " -> gathered whole" if not isinstance(v.placement, Replicate) else ""))
     if isinstance(v.placement, Replicate):
         if v.local.is_floating_point():
             # Gradients of replicated values are kept partial: each rank takes 1/P of the incoming one.

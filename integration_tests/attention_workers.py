@@ -1,0 +1,44 @@
+"""Spawned workers for test_written_attention: compile each program, return loss, gradients and notes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from attention_models import LM, inputs, padding
+from cases import caches_off
+
+import autosp
+
+Case = tuple[str, str, int, bool]  # attention, breaks, kv heads, with a padding mask
+
+
+def _args(case: Case, seq: int) -> tuple:
+    return (*inputs(seq), padding(seq)) if case[3] else inputs(seq)
+
+
+def step(model: Any, case: Case, seq: int) -> dict[str, Any]:
+    loss = model(*_args(case, seq))
+    loss.backward()
+    params = model._orig_mod if hasattr(model, "_orig_mod") else model
+    return {"loss": loss.detach(), "grads": {n: p.grad.clone() for n, p in params.named_parameters()
+                                             if p.grad is not None}}
+
+
+def reference(case: Case, seq: int) -> dict[str, Any]:
+    return step(LM(case[0], case[1], case[2]), case, seq)
+
+
+def run(rank: int, world: int, cases: list[Case], backend: str, variant: str, seq: int) -> dict[Case, Any]:
+    results = {}
+    for case in cases:
+        torch._dynamo.reset()
+        compiled = autosp.compile(LM(case[0], case[1], case[2]), backend=backend, variant=variant)
+        with caches_off():
+            results[case] = step(compiled, case, seq)
+        reports = compiled.autosp_reports
+        results[case]["graphs"] = len(reports)
+        results[case]["sites"] = sum(len(r.sites) for r in reports)
+        results[case]["sharded"] = [r.seq_len for r in reports]
+        results[case]["notes"] = [n for r in reports for n in r.notes]
+    return results

@@ -1,0 +1,79 @@
+"""Attention written out by hand, graph breaks and checkpointed layers: exact against single-device eager.
+
+Hand-written attention that SDPA computes exactly becomes one SDPA call (every variant rewrites
+it); what it cannot (soft-capping, a mask a variant cannot take) stays as written and is still
+exact, k and v gathered.  A graph without attention shards by the length of the graph before it,
+or runs whole when none came before.  Each case also pins what the report says it did.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from attention_workers import reference, run
+from harness import run_spmd
+
+REFS: dict[tuple, dict] = {}
+
+# (attention, breaks, kv heads, padding mask) -> (attention sites over all graphs, phrase in the notes)
+REWRITTEN = "computed as one SDPA call"
+KEPT = "kept as written"
+CASES = {
+    ("nano", "none", 4, False): (2, REWRITTEN),
+    ("hf_eager", "none", 2, False): (2, REWRITTEN),
+    ("gpt2", "none", 4, True): (2, REWRITTEN),
+    ("alibi", "none", 4, False): (2, REWRITTEN),
+    ("softcap", "none", 4, False): (0, "tanh"),
+    ("sdpa", "between", 2, False): (2, None),
+    ("sdpa", "before_head", 2, False): (2, "sharding inputs of sequence length"),
+    ("hf_eager", "checkpoint", 2, False): (2, REWRITTEN),
+    ("none", "none", 4, False): (0, "runs whole on every rank"),
+}
+
+
+def check(world: int, backend: str, variant: str, cases: list[tuple], seq: int = 16,
+          expect: dict[tuple, tuple] | None = None) -> None:
+    expect = CASES if expect is None else expect
+    for case in cases:
+        if (case, seq) not in REFS:
+            REFS[case, seq] = reference(case, seq)
+    per_rank = run_spmd(run, world, cases, backend, variant, seq)
+    for rank, results in enumerate(per_rank):
+        for case in cases:
+            got, ref = results[case], REFS[case, seq]
+            where = f"{case} {variant} P={world} {backend} rank {rank}"
+            torch.testing.assert_close(got["loss"], ref["loss"], rtol=1e-5, atol=1e-6, msg=f"{where}: loss")
+            assert got["grads"].keys() == ref["grads"].keys(), f"{where}: other parameters got gradients"
+            for name, g in ref["grads"].items():
+                torch.testing.assert_close(got["grads"][name], g, rtol=1e-4, atol=1e-6, msg=f"{where}: grad {name}")
+            sites, phrase = expect[case]
+            assert got["sites"] == sites, f"{where}: {got['sites']} attention sites, expected {sites}"
+            if phrase is not None:
+                assert any(phrase in n for n in got["notes"]), f"{where}: no note with {phrase!r}: {got['notes']}"
+
+
+def test_two_ranks_ulysses():
+    check(2, "aot_eager", "ulysses", list(CASES))
+
+
+def test_two_ranks_ring():
+    # Ring cannot take a model-built mask: nanoGPT's stays as written (exact, k and v gathered).
+    expect = {("nano", "none", 4, False): (0, "variant 'ring' cannot take it"),
+              ("sdpa", "between", 2, False): (2, None)}
+    check(2, "aot_eager", "ring", list(expect), expect=expect)
+
+
+def test_three_ranks_heads_not_divisible():
+    # 4 heads over 3 ranks: Ulysses cannot split them, so the written-out attention stays as written.
+    expect = {("nano", "none", 4, False): (0, "not divisible by sp_size=3")}
+    check(3, "aot_eager", "ulysses", list(expect), seq=24, expect=expect)
+
+
+def test_four_ranks_ulysses():
+    check(4, "aot_eager", "ulysses", [("gpt2", "none", 4, True), ("sdpa", "before_head", 2, False)])
+
+
+@pytest.mark.parametrize(("variant", "case"), [("ulysses", ("hf_eager", "checkpoint", 2, False)),
+                                               ("ring", ("sdpa", "before_head", 2, False))])
+def test_two_ranks_inductor(variant, case):
+    check(2, "inductor", variant, [case])

@@ -1,0 +1,369 @@
+"""Attention written out by hand, found in the lowered aten graph and turned into one SDPA call.
+
+A model that spells attention as ``softmax(q @ k^T * c + mask) @ v`` (HF's ``eager`` attention,
+nanoGPT, GPT-2, research code) reaches the lowered graph as ``bmm -> view -> score ops ->
+_softmax -> bmm``.  Written that way, each rank would hold its rows of the full score matrix and
+gather k and v whole: exact (the sharding rules see to that), but no variant could do its job.
+
+A region becomes an SDPA call only when that is the same function.  The ops between the score
+matmul and the softmax must be *affine in the scores* - ``f(s) = a * s + f(0)`` with ``a`` a
+positive Python number (scaling, adding a mask or bias that does not depend on the scores,
+masking with a constant ``<= -1e30`` or ``-inf``) - so SDPA with ``scale=a`` and
+``attn_mask=f(0)`` computes the same softmax.  ``f(0)`` is built by running those very ops on a
+zero tensor, so whatever mask the model builds comes along unchanged.  Anything else (soft-capping
+with ``tanh``, the probabilities used elsewhere, as with ``output_attentions``) is left as written
+and said so: the region still counts as attention for finding the sequence, and the sharding
+rules keep it exact.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from autosp.analysis.attention import AttentionSite
+from autosp.lowering import SDPA as SDPA_SPEC
+
+aten = torch.ops.aten
+
+# What ``torch.matmul`` puts between a 4-D operand and ``bmm``: a broadcast, a copy, one flattening view.
+_BROADCAST = {aten.expand.default, aten.clone.default, aten.contiguous.default}
+_FLATTEN = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
+_TO_BMM = _BROADCAST | _FLATTEN
+_SCALE = {aten.mul.Tensor, aten.div.Tensor}
+_ADD = {aten.add.Tensor, aten.sub.Tensor}
+_MASK = {aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.where.self, aten.where.ScalarOther,
+         aten.where.ScalarSelf}
+_MASKED = -1e30  # a fill at or below this weighs nothing after softmax, whatever the score
+
+
+@dataclass
+class EagerRegion:
+    """One hand-written attention: the nodes that compute it and what SDPA needs to replace it."""
+
+    q: torch.fx.Node
+    k: torch.fx.Node
+    v: torch.fx.Node
+    output: torch.fx.Node
+    softmax: torch.fx.Node
+    score_ops: list[torch.fx.Node] = field(default_factory=list)  # scores -> softmax input, in order
+    scale: float = 1.0
+    dropout_p: float = 0.0
+    weights: list[torch.fx.Node] = field(default_factory=list)  # softmax -> the weights' matmul
+    why_not: str | None = None  # set when the region is left as written
+
+    @property
+    def line(self) -> str:
+        """Where the model computes it: the last ``File ..., line ...`` of the softmax's stack trace."""
+        trace = self.softmax.meta.get("stack_trace") or ""
+        lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip().startswith("File")]
+        return lines[-1] if lines else self.softmax.name
+
+
+def _val(node: Any) -> Any:
+    return node.meta.get("val") if isinstance(node, torch.fx.Node) else node
+
+
+def _shape(node: Any) -> tuple:
+    v = _val(node)
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else ()
+
+
+def _live_users(node: torch.fx.Node) -> list[torch.fx.Node]:
+    # make_fx leaves a dead ``detach`` of the softmax for autograd's bookkeeping.
+    return [u for u in node.users if not (u.target is aten.detach.default and not u.users)]
+
+
+def _only_user(node: torch.fx.Node) -> torch.fx.Node | None:
+    users = _live_users(node)
+    return users[0] if len(users) == 1 else None
+
+
+def _to_4d(node: Any) -> torch.fx.Node | None:
+    """The 4-D ``[B, H, rows, cols]`` tensor that ``node``, its ``[B*H, rows, cols]`` flattening, comes from.
+
+    Only the ops ``torch.matmul`` lowers to may sit between: a broadcast (``expand``), a copy to
+    contiguous, and the one view that merges batch and heads.  Any other view means another layout.
+    """
+    if not isinstance(node, torch.fx.Node) or node.target not in _FLATTEN:
+        return None
+    src = node.args[0]
+    shp, src_shp = _shape(node), _shape(src)
+    if len(shp) != 3 or len(src_shp) != 4 or shp[1:] != src_shp[2:] or shp[0] != src_shp[0] * src_shp[1]:
+        return None
+    node = src
+    while node.op == "call_function" and node.target in _BROADCAST:
+        src = node.args[0]
+        if len(_shape(src)) != 4 or _shape(src)[2:] != _shape(node)[2:]:
+            return None
+        node = src
+    return node
+
+
+def _untranspose(node: torch.fx.Node) -> torch.fx.Node | None:
+    """``k`` from ``k.transpose(-2, -1)`` (or the equivalent permute)."""
+    if node.op != "call_function":
+        return None
+    if node.target is aten.transpose.int:
+        dims = sorted(d % 4 for d in node.args[1:3])
+        return node.args[0] if dims == [2, 3] else None
+    if node.target is aten.permute.default and [d % 4 for d in node.args[1]] == [0, 1, 3, 2]:
+        return node.args[0]
+    return None
+
+
+def _bmm_as_4d(bmm: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node] | None:
+    a4, b4 = _to_4d(bmm.args[0]), _to_4d(bmm.args[1])
+    if a4 is None or b4 is None:
+        return None
+    return a4, b4
+
+
+def _number(x: Any) -> float | None:
+    """A Python number, or the constant a 0-d ``full`` holds (GPT-2 divides by one)."""
+    if isinstance(x, (int, float)) and not isinstance(x, bool):
+        return float(x)
+    if isinstance(x, torch.fx.Node) and x.target in (aten.full.default, aten.scalar_tensor.default):
+        value = x.args[1] if x.target is aten.full.default else x.args[0]
+        if _shape(x) == () and isinstance(value, (int, float)):
+            return float(value)
+    return None
+
+
+def _depends_on(node: Any, roots: set[torch.fx.Node]) -> bool:
+    seen: set[torch.fx.Node] = set()
+    stack = [node] if isinstance(node, torch.fx.Node) else []
+    while stack:
+        n = stack.pop()
+        if n in roots:
+            return True
+        if n in seen:
+            continue
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    return False
+
+
+def _score_op(node: torch.fx.Node, s: torch.fx.Node, roots: set[torch.fx.Node]) -> tuple[float, str | None]:
+    """(factor on the scores, reason it is not affine) for one op between the scores and softmax."""
+    t = node.target
+    others = [a for a in (*node.args, *node.kwargs.values()) if a is not s]
+    if any(_depends_on(o, roots) for o in others):
+        return 1.0, f"{node.name} ({t}) mixes the scores with another value computed from q, k or v"
+    if t in _SCALE and node.args[0] is s:
+        c = _number(node.args[1])
+        if c is None or c <= 0:
+            return 1.0, f"{node.name} scales the scores by something other than a positive constant"
+        return (c if t is aten.mul.Tensor else 1.0 / c), None
+    if t is aten.mul.Tensor and node.args[1] is s:
+        c = _number(node.args[0])
+        if c is None or c <= 0:
+            return 1.0, f"{node.name} scales the scores by something other than a positive constant"
+        return c, None
+    if t in _ADD:
+        if t is aten.sub.Tensor and node.args[0] is not s:
+            return 1.0, f"{node.name} negates the scores"
+        if len(node.args) > 2 and node.args[2] != 1:
+            return 1.0, f"{node.name} adds a multiple of the scores"
+        return 1.0, None
+    if t in _MASK:
+        fill = _mask_fill(node, s)
+        if fill is None or not fill <= _MASKED:
+            return 1.0, f"{node.name} masks with a value that still weighs after softmax (not <= -1e30 or -inf)"
+        return 1.0, None
+    if t is aten._to_copy.default and set(node.kwargs) <= {"dtype"} and len(node.args) == 1:
+        return 1.0, None
+    return 1.0, f"{node.name} ({t}) is not affine in the scores"
+
+
+def _mask_fill(node: torch.fx.Node, s: torch.fx.Node) -> float | None:
+    t, args = node.target, node.args
+    if t in (aten.masked_fill.Scalar, aten.masked_fill.Tensor) and args[0] is s:
+        return _number(args[2])
+    if t in (aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf):
+        if args[1] is s:
+            return _number(args[2])
+        if args[2] is s:
+            return _number(args[1])
+    return None
+
+
+def find_eager_regions(gm: torch.fx.GraphModule) -> list[EagerRegion]:
+    """Every ``bmm -> score ops -> softmax (-> dropout) -> bmm`` over 4-D q, k, v, in graph order."""
+    regions = []
+    for sm in gm.graph.nodes:
+        if sm.op != "call_function" or sm.target is not aten._softmax.default:
+            continue
+        region = _region_at(sm)
+        if region is not None:
+            regions.append(region)
+    return regions
+
+
+def _is_scores(node: torch.fx.Node) -> bool:
+    return (node.op == "call_function" and node.target in (aten.view.default, aten._unsafe_view.default)
+            and isinstance(node.args[0], torch.fx.Node) and node.args[0].target is aten.bmm.default)
+
+
+def _back_to_scores(node: Any, shape: tuple, depth: int = 0) -> list[torch.fx.Node] | None:
+    """``[scores, op, op, ...]``: the chain from the score matmul's 4-D view up to ``node``.
+
+    At each op the score operand is the one of the scores' shape that itself leads back to a matmul
+    (a mask may have the full shape too).
+    """
+    if not isinstance(node, torch.fx.Node) or node.op != "call_function" or depth > 16:
+        return None
+    if _is_scores(node):
+        return [node] if _shape(node) == shape else None
+    for arg in node.args:
+        if isinstance(arg, torch.fx.Node) and _shape(arg) == shape:
+            chain = _back_to_scores(arg, shape, depth + 1)
+            if chain is not None:
+                return [*chain, node]
+    return None
+
+
+_TO_WEIGHTS = {aten._to_copy.default, aten.native_dropout.default, operator.getitem} | _TO_BMM
+
+
+def _forward_to_bmm(node: torch.fx.Node, path: list[torch.fx.Node]) -> tuple[torch.fx.Node, list] | None:
+    """The ``bmm`` that multiplies the weights (``node`` after casts, dropout, broadcast) with v, and the path."""
+    if len(path) > 8:
+        return None
+    for user in _live_users(node):
+        if user.target is aten.bmm.default and user.args[0] is node:
+            return user, [*path, node]
+        if user.target in _TO_WEIGHTS and not (user.target is operator.getitem and user.args[1] != 0):
+            found = _forward_to_bmm(user, [*path, node])
+            if found is not None:
+                return found
+    return None
+
+
+def _region_at(sm: torch.fx.Node) -> EagerRegion | None:
+    ndim = len(_shape(sm))
+    if ndim != 4 or sm.args[1] % ndim != 3:
+        return None
+    chain = _back_to_scores(sm.args[0], _shape(sm))
+    if chain is None:
+        return None
+    scores, ops = chain[0], chain[1:]
+    pair = _bmm_as_4d(scores.args[0])
+    if pair is None:
+        return None
+    q, kt = pair
+    k = _untranspose(kt)
+    if k is None:
+        return None
+    found = _forward_to_bmm(sm, [])
+    if found is None:
+        return None
+    after, path = found
+    dropout_p = next((float(n.args[1]) for n in path if n.target is aten.native_dropout.default and n.args[2]), 0.0)
+    v = _to_4d(after.args[1])
+    out = _only_user(after)
+    if v is None or out is None or out.target not in (aten.view.default, aten._unsafe_view.default):
+        return None
+    (b, h, s, d), (bk, hk, sk, dk), (bv, hv, sv, dv) = _shape(q), _shape(k), _shape(v)
+    if _shape(out) != (b, h, s, dv) or d != dk or sk != sv or hk != hv or bk != b or bv != b:
+        return None
+    region = EagerRegion(q=q, k=k, v=v, output=out, softmax=sm, score_ops=ops, dropout_p=dropout_p,
+                         weights=path)
+    _judge(region, scores)
+    return region
+
+
+def _judge(region: EagerRegion, scores: torch.fx.Node) -> None:
+    """Fill ``scale``, or ``why_not`` when SDPA would compute something else."""
+    for node in [scores, *region.score_ops]:
+        if len(_live_users(node)) != 1:
+            region.why_not = f"{node.name}: the attention scores are used outside the attention"
+            return
+    for node in region.weights:
+        if len(_live_users(node)) != 1:
+            region.why_not = "the attention weights are used outside the attention (output_attentions?)"
+            return
+    roots = {region.q, region.k, region.v}
+    s, scale = scores, 1.0
+    for node in region.score_ops:
+        factor, why = _score_op(node, s, roots)
+        if why is not None:
+            region.why_not = why
+            return
+        scale *= factor
+        s = node
+    hk, h = _shape(region.k)[1], _shape(region.q)[1]
+    if h % hk:
+        region.why_not = f"{h} query heads over {hk} kv heads"
+        return
+    region.scale = scale
+
+
+def _others(region: EagerRegion) -> list[tuple[torch.fx.Node, list[torch.fx.Node]]]:
+    """Each score op with its tensor operands other than the scores."""
+    return [(op, [a for a in op.all_input_nodes if a is not _chain_input(op, region)]) for op in region.score_ops]
+
+
+def _chain_input(op: torch.fx.Node, region: EagerRegion) -> torch.fx.Node:
+    i = region.score_ops.index(op)
+    if i:
+        return region.score_ops[i - 1]
+    return next(a for a in op.all_input_nodes if _is_scores(a))
+
+
+def _mask_shape(region: EagerRegion) -> list[int] | None:
+    """Shape of the bias SDPA gets: 1 on batch or heads where every mask operand broadcasts."""
+    masking = [others for op, others in _others(region) if op.target in _ADD | _MASK]
+    if not masking:
+        return None
+    lead = [1, 1]
+    for others in masking:
+        for a in others:
+            padded = (1,) * (4 - len(_shape(a))) + _shape(a)
+            if len(padded) == 4:
+                lead = [max(lead[i], padded[i]) for i in range(2)]
+    return [*lead, _shape(region.q)[2], _shape(region.k)[2]]
+
+
+def region_site(region: EagerRegion) -> AttentionSite:
+    """The SDPA site ``region`` becomes, for the variant to check before anything is rewritten."""
+    b, h, s, d = _shape(region.q)
+    mask = _mask_shape(region)
+    return AttentionSite(name=region.softmax.name, spec=SDPA_SPEC, batch=b, heads=h, kv_heads=_shape(region.k)[1],
+                         seq_len=s, kv_seq_len=_shape(region.k)[2], head_dim=d, is_causal=False,
+                         mask_shape=tuple(mask) if mask is not None else None, dtype=_val(region.q).dtype)
+
+
+def rewrite_region(gm: torch.fx.GraphModule, region: EagerRegion, leaf: Any) -> torch.fx.Node:
+    """Put one SDPA call in place of ``region``; its mask is the score ops run on zeros."""
+    g = gm.graph
+    q_val = _val(region.q)
+    h = q_val.shape[1]
+    shape = _mask_shape(region)
+    with g.inserting_before(region.output):
+        mask = None
+        if shape is not None:
+            first = _chain_input(region.score_ops[0], region)
+            cur = g.call_function(aten.zeros.default, (shape,),
+                                  {"dtype": _val(first).dtype, "device": q_val.device})
+            prev = first
+            for op in region.score_ops:
+                args, kwargs = torch.fx.node.map_arg((op.args, op.kwargs), lambda a: cur if a is prev else a)
+                prev, cur = op, g.call_function(op.target, args, kwargs)
+            mask = cur
+            if _val(region.score_ops[-1]).dtype != q_val.dtype:
+                mask = g.call_function(aten._to_copy.default, (mask,), {"dtype": q_val.dtype})
+        call = g.call_function(leaf, (region.q, region.k, region.v), {
+            "attn_mask": mask, "dropout_p": region.dropout_p, "is_causal": False, "scale": region.scale,
+            "enable_gqa": _shape(region.k)[1] != h})
+    call.meta["stack_trace"] = region.softmax.meta.get("stack_trace")
+    region.output.replace_all_uses_with(call)
+    g.eliminate_dead_code()
+    gm.recompile()
+    return call
+
+
+__all__ = ["EagerRegion", "find_eager_regions", "region_site", "rewrite_region"]

@@ -1,0 +1,129 @@
+"""Hand-written attention in the lowered graph: found, judged, and rewritten to SDPA only when exact."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from autosp.analysis.eager import find_eager_regions, region_site, rewrite_region
+from autosp.lowering import SDPA
+
+B, H, S, D = 2, 4, 6, 8
+CAUSAL = torch.tril(torch.ones(S, S, dtype=torch.bool))
+MIN = torch.finfo(torch.float32).min
+
+
+def nano(q, k, v, mask):
+    att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+    return F.softmax(att.masked_fill(~mask, float("-inf")), dim=-1) @ v
+
+
+def hf(q, k, v, mask):
+    att = torch.matmul(q, k.transpose(2, 3)) / 3.0 + torch.where(mask, 0.0, MIN)
+    return torch.matmul(F.softmax(att, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
+def gpt2(q, k, v, mask):
+    att = torch.matmul(q, k.transpose(-1, -2)) / torch.full([], 2.0)
+    att = torch.where(mask, att, torch.full([], MIN))
+    return torch.matmul(att.softmax(-1), v)
+
+
+def scale_after_mask(q, k, v, mask):
+    att = (q @ k.transpose(-2, -1)).masked_fill(~mask, MIN) * 0.25 - 1.5
+    return att.softmax(-1) @ v
+
+
+def padding_mask(q, k, v, mask):
+    pad = torch.zeros(B, 1, 1, S)
+    pad[0, ..., -2:] = MIN
+    return ((q @ k.transpose(-2, -1)) * 0.3 + pad).softmax(-1) @ v
+
+
+def softcap(q, k, v, mask):
+    att = torch.tanh((q @ k.transpose(-2, -1)) / 5.0) * 5.0
+    return att.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+
+
+def weights_returned(q, k, v, mask):
+    p = (q @ k.transpose(-2, -1)).softmax(-1)
+    return p @ v, p
+
+
+def weak_mask(q, k, v, mask):
+    return (q @ k.transpose(-2, -1)).masked_fill(~mask, -1e4).softmax(-1) @ v
+
+
+def negative_scale(q, k, v, mask):
+    return ((q @ k.transpose(-2, -1)) * -0.5).softmax(-1) @ v
+
+
+def q_dependent_bias(q, k, v, mask):
+    return ((q @ k.transpose(-2, -1)) + q.sum(-1, keepdim=True)).softmax(-1) @ v
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(B, H, S, D, generator=g) for _ in range(3)] + [CAUSAL]
+
+
+def _lowered(fn):
+    return make_fx(fn, tracing_mode="fake")(*_inputs())
+
+
+def _ops(gm, target):
+    return [n for n in gm.graph.nodes if n.target is target]
+
+
+@pytest.mark.parametrize("fn", [nano, hf, gpt2, scale_after_mask, padding_mask])
+def test_sdpa_expressible_forms_become_one_exact_call(fn):
+    gm = _lowered(fn)
+    regions = find_eager_regions(gm)
+    assert len(regions) == 1 and regions[0].why_not is None, [r.why_not for r in regions]
+    rewrite_region(gm, regions[0], SDPA.leaf)
+    gm = make_fx(gm, tracing_mode="fake")(*_inputs())  # meta values for the new nodes, as autosp.lower does
+    assert len(_ops(gm, SDPA.leaf)) == 1
+    assert not _ops(gm, torch.ops.aten.bmm.default) and not _ops(gm, torch.ops.aten._softmax.default)
+    torch.testing.assert_close(gm(*_inputs()), fn(*_inputs()), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(("fn", "why"), [
+    (softcap, "not affine in the scores"),
+    (weights_returned, "used outside the attention"),
+    (weak_mask, "still weighs after softmax"),
+    (negative_scale, "positive constant"),
+    (q_dependent_bias, "mixes the scores"),
+])
+def test_other_forms_are_found_and_kept(fn, why):
+    regions = find_eager_regions(_lowered(fn))
+    assert len(regions) == 1 and regions[0].why_not is not None and why in regions[0].why_not, (
+        [r.why_not for r in regions])
+
+
+def test_site_has_the_mask_shape_sdpa_gets():
+    site = region_site(find_eager_regions(_lowered(padding_mask))[0])
+    assert (site.seq_len, site.kv_seq_len, site.heads, site.kv_heads, site.head_dim) == (S, S, H, H, D)
+    assert site.mask_shape == (B, 1, S, S)
+    assert region_site(find_eager_regions(_lowered(nano))[0]).mask_shape == (1, 1, S, S)
+
+
+def test_fully_masked_rows_agree():
+    # A row with every key masked by the dtype's minimum is uniform in both forms (never NaN).
+    mask = CAUSAL.clone()
+    mask[0] = False
+    q, k, v, _ = _inputs()
+    gm = make_fx(scale_after_mask, tracing_mode="fake")(q, k, v, mask)
+    rewrite_region(gm, find_eager_regions(gm)[0], SDPA.leaf)
+    torch.testing.assert_close(gm(q, k, v, mask), scale_after_mask(q, k, v, mask), rtol=1e-5, atol=1e-6)
+
+
+def test_matmul_on_other_layouts_is_not_attention():
+    # [B, S, H, D] scores over heads, softmax over the last axis: not a q @ k^T over the sequence.
+    def heads_mix(x, y, z, mask):
+        return (x.transpose(1, 2) @ y.transpose(1, 2).transpose(-2, -1)).softmax(-1).sum()
+
+    assert find_eager_regions(_lowered(heads_mix)) == []
