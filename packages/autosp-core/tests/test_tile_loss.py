@@ -32,6 +32,19 @@ class SoftcapHead(nn.Module):
         return (loss, logits) if self.return_logits else loss
 
 
+class MatmulHead(nn.Module):
+    """``hidden @ weight.T`` on [B, S, D] (a permute, not ``t``), mean loss over the shifted tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(V, D)
+        self.weight = nn.Parameter(torch.randn(V, D) / D**0.5)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.embed(ids).sin() @ self.weight.T
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+
+
 def _batch(seq: int = 48) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, V, (2, seq), generator=g)
@@ -69,8 +82,9 @@ def test_llama_head_is_tiled_and_exact(backend: str) -> None:
     assert len(notes) == 1 and notes[0].startswith("tile_loss: tiled") and "chunks of 16 rows" in notes[0], notes
 
 
-def test_bias_upcast_and_softcap_are_replayed() -> None:
-    notes = _compare(SoftcapHead, "aot_eager", 10)
+@pytest.mark.parametrize("make", [SoftcapHead, MatmulHead], ids=["bias-upcast-softcap", "matmul-weight-T"])
+def test_other_heads_are_tiled(make) -> None:
+    notes = _compare(make, "aot_eager", 10)
     assert len(notes) == 1 and notes[0].startswith("tile_loss: tiled"), notes
 
 
