@@ -130,3 +130,23 @@ def test_sac_and_auto_follow_the_profile_file(fake_two_ranks, tmp_path):
     # SAC's cost model: recomputing the all-to-alls pays where they are cheap, not where they are slow.
     assert reports["a2a-node", "ulysses"].sac["mode"] == "auto -> recompute"
     assert reports["p2p-node", "ulysses"].sac["mode"] == "auto -> default partitioner choices"
+
+
+@pytest.fixture
+def fake_four_ranks():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    yield
+    dist.destroy_process_group()
+
+
+def test_hybrid_without_degrees_compiles_with_the_chosen_degree(fake_four_ranks):
+    torch._dynamo.reset()
+    compiled = autosp.compile(Attention(heads=8), sp_size=4, variant="hybrid", hardware="h100-80gb",
+                              backend="aot_eager", check_inputs=False, sac=False)
+    compiled(torch.randn(1, 64, 32))
+    report = compiled.autosp_reports[0]
+    assert report.variant == "hybrid(ulysses_degree=2) (chosen by variant='hybrid')"
+    assert "hybrid: ulysses_degree=2 x ring_degree=2" in report.notes
+    assert report.collectives["ring_attention"] == 1  # the ring variant's own pass saw the chosen variant
