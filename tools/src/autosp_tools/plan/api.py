@@ -108,7 +108,7 @@ def plan(
         return estimate(p, m_or_auto, s, torch_dtype, device)
 
     rows: list[tuple[str, Any, int]] = [(m.mode.name, m, m.unit) for m in ok]
-    if auto is not None:
+    if auto is not None:  # after SAC off and on: its search reads theirs
         rows.insert(2, (auto[2], "auto", auto[0].unit))
     if seq is not None:
         for _name, m, unit in rows:
@@ -116,8 +116,16 @@ def plan(
                 continue
             p.estimates.append(at(m, seq))
     if max_seq:
+        longest: dict[str, int] = {}
         for name, m, unit in rows:
             found, capped = search_max_seq(lambda s, m=m: at(m, s).fits, unit, SEQ_CAP)
+            if m == "auto" and auto is not None and auto[1].mode.name in longest:
+                # auto recomputes once the overhead falls under its threshold, so fitting is not monotone
+                # in S: where SAC on fits longest and auto chooses it there, that is auto's longest too.
+                on_seq = longest[auto[1].mode.name]
+                if on_seq > found and "recompute" in at(m, on_seq).note:
+                    found, capped = on_seq, p.max_seq[auto[1].mode.name]["capped"]
+            longest[name] = found
             e = at(m, found) if found else None
             p.max_seq[name] = {"seq": found, "capped": capped, "estimate": e.as_dict() if e else None}
             top = max(found, unit * 4) * 2

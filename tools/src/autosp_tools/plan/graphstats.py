@@ -297,9 +297,39 @@ def _seq_symbol(gm: fx.GraphModule) -> sympy.Symbol | None:
     return next(iter(symbols), None)
 
 
+RING_P2P = "ring_p2p"
+
+
+def ring_bytes(node: fx.Node, ring: int) -> sympy.Expr:
+    """Bytes one rank sends inside autosp-ring's opaque op (its P2P traffic is not in the graph).
+
+    Forward: k and v travel ring-1 hops. Backward: k and v again, and fp32 dk/dv accumulators
+    ring hops, back to their owner.
+    """
+    backward = "backward" in str(node.target)
+    k, v = (node.args[2], node.args[3]) if backward else (node.args[1], node.args[2])
+    kv = tensor_bytes(k.meta.get("val")) + tensor_bytes(v.meta.get("val"))
+    if not backward:
+        return (ring - 1) * kv
+    kv_numel = kv / k.meta["val"].element_size()
+    return (ring - 1) * kv + ring * 4 * kv_numel
+
+
+def ring_flops(node: fx.Node, ring: int) -> sympy.Expr:
+    """Attention FLOPs inside autosp-ring's op: local queries against every rank's keys."""
+    backward = "backward" in str(node.target)
+    q, k = _shape(node.args[1 if backward else 0]), _shape(node.args[2 if backward else 1])
+    if len(q) != 4 or len(k) != 4:
+        return sympy.Integer(0)
+    causal = node.args[6 if backward else 3] is True
+    flops = 4 * q[0] * q[1] * q[2] * k[2] * ring * q[3] / (2 if causal else 1)
+    return ATTENTION_BACKWARD_FACTOR * flops if backward else flops
+
+
 def graph_stats(forward: fx.GraphModule, backward: fx.GraphModule, num_user_outputs: int,
-                param_inputs: set[int]) -> GraphStats:
-    """Statistics of one partitioned pair. ``param_inputs``: forward placeholder positions that are parameters."""
+                param_inputs: set[int], ring: int = 1) -> GraphStats:
+    """Statistics of one partitioned pair. ``param_inputs``: forward placeholder positions that are
+    parameters; ``ring``: ranks in a ring-attention group (its traffic is inside an opaque op)."""
     table = ExprTable(_seq_symbol(forward))
     fwd_placeholders = [n for n in forward.graph.nodes if n.op == "placeholder"]
     params = {fwd_placeholders[i] for i in param_inputs if i < len(fwd_placeholders)}
@@ -330,6 +360,12 @@ def graph_stats(forward: fx.GraphModule, backward: fx.GraphModule, num_user_outp
             if node.op != "call_function":
                 continue
             kind = collective_kind(node)
+            if str(node.target).startswith("autosp_ring.ring_attention"):
+                comm[RING_P2P].append(ring_bytes(node, ring)) if ring > 1 else None
+                f = ring_flops(node, ring)
+                attn += f
+                fwd_attn += f if is_forward else 0
+                continue
             if kind is not None:
                 comm[kind].append(tensor_bytes(node.meta.get("val")))
                 if is_forward and kind == "all_to_all":

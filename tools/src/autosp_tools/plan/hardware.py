@@ -34,6 +34,8 @@ class Device:
     def collective_seconds(self, kind: str, nbytes: float, world: int) -> float:
         if world <= 1 or nbytes <= 0:
             return 0.0
+        if kind == "ring_p2p":  # point-to-point hops inside ring attention: bytes over one link
+            return nbytes / float(self.profile.comm_bandwidth)
         fn = getattr(self.profile, "collective_seconds", None)
         if callable(fn):
             return float(fn(kind, nbytes, world))

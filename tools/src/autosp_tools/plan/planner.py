@@ -135,9 +135,10 @@ class Plan:
         }
 
 
-def _stats(c: Captured) -> GraphStats:
+def _stats(c: Captured, sp: int) -> GraphStats:
     assert c.forward is not None and c.backward is not None
-    return graph_stats(c.forward, c.backward, c.num_user_outputs, c.param_inputs)
+    u = dict(c.mode.variant_options).get("ulysses_degree", 1) if c.mode.variant == "hybrid" else 1
+    return graph_stats(c.forward, c.backward, c.num_user_outputs, c.param_inputs, ring=sp // u)
 
 
 def trace_stats(source: ModelSource, layers: int, modes: Sequence[Mode], *, sp: int, group: Any,
@@ -145,7 +146,7 @@ def trace_stats(source: ModelSource, layers: int, modes: Sequence[Mode], *, sp: 
     """Parameter count, and per mode its statistics or why it failed, at ``layers`` layers."""
     traced = trace_modes(source.build, layers, modes, sp=sp, group=group, dtype=dtype, batch=batch,
                          seq_hint=seq_hint)
-    return traced.param_count, {name: (c.error if c.error else _stats(c)) for name, c in traced.captured.items()}
+    return traced.param_count, {name: (c.error if c.error else _stats(c, sp)) for name, c in traced.captured.items()}
 
 
 def _trace_in_child(spec: str, layers: int, modes: Sequence[Mode], kw: dict[str, Any]) -> tuple[int, dict[str, Any]]:

@@ -1,0 +1,45 @@
+"""tools/gpu_check.sh's stages, run on the CPU with small sizes (the CUDA path needs a GPU machine)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from autosp_tools.plan import gpu_check
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: the no-GPU error is for machines without one")
+def test_without_a_gpu_it_fails_clearly_and_still_writes_json(tmp_path):
+    out = tmp_path / "check.json"
+    assert gpu_check.main(["--out", str(out)]) == 2
+    env = json.loads(out.read_text())["stages"]["env"]
+    assert env["ok"] is False and "no CUDA device" in env["error"]
+
+
+def test_cpu_quick_stages(tmp_path):
+    """SAC keeps attention saved (no attention forward in the backward), and the plan agrees with the
+    measured sp=1 run and with rank 0 of sp=8 run for real under a fake group."""
+    out = tmp_path / "check.json"
+    rc = gpu_check.main(["--device", "cpu", "--quick", "--out", str(out), "--stages", "sac_kernels,plan_vs_measured"])
+    stages = json.loads(out.read_text())["stages"]
+    assert rc == 0, {k: v.get("error") for k, v in stages.items()}
+    flash = stages["sac_kernels"]["result"]["FLASH_ATTENTION"]
+    assert flash["ok"], flash
+    assert flash["sac=True"]["saved_bytes"] < flash["sac=False"]["saved_bytes"]
+    points = stages["plan_vs_measured"]["result"]
+    assert set(points) == {"sp=1/seq=1024/sac=False", "sp=8/seq=8192/sac=False"}
+    for key, point in points.items():
+        assert "error" not in point, (key, point)
+        assert point["saved_ratio"] == pytest.approx(1.0, abs=0.10), (key, point)
+        assert point["peak_ratio"] == pytest.approx(1.0, abs=0.20), (key, point)
+
+
+def test_a_failing_stage_is_recorded_and_the_others_run(tmp_path):
+    check = gpu_check.Check(tmp_path / "c.json")
+    check.stage("boom", lambda: 1 / 0)
+    check.stage("fine", lambda: {"x": 1})
+    data = json.loads((tmp_path / "c.json").read_text())["stages"]
+    assert data["boom"]["ok"] is False and "ZeroDivisionError" in data["boom"]["error"]
+    assert data["fine"] == {"ok": True, "result": {"x": 1}, "seconds": data["fine"]["seconds"]}
