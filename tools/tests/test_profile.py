@@ -29,6 +29,7 @@ def test_two_ranks_write_a_profile_that_compiles_use(tmp_path, capsys):
     profile = load_profile(out)
     assert profile.name == "this-box" and profile.matmul("float32") == data["matmul_flops"]["float32"] > 0
     assert profile.attention("float32") == data["attention_flops"]["float32"] > 0
+    assert profile.kernel_flops["ring-block/float32"] == data["kernel_flops"]["ring-block/float32"] > 0
     assert profile.comm_bandwidth == data["comm"]["all_to_all"]["bandwidth"]
     assert profile.memory_bytes == builtin_profile("cpu").memory_bytes  # from the base
     assert profile.collective_seconds("p2p", 65536, 2) == pytest.approx(data["comm"]["p2p"]["points"][1][1])

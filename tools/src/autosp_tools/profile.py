@@ -4,7 +4,7 @@
     torchrun --nproc-per-node 8 -m autosp_tools.profile --out node.json   # the GPUs of a node
 
 It measures all-to-all, all-gather and one ring hop (point-to-point) over message sizes, dense
-matmul and causal attention throughput per dtype, and writes a profile that names the built-in
+matmul and causal attention throughput per dtype, autosp-ring's block kernel when installed, and writes a profile that names the built-in
 (or plugin) profile it refines as ``base``: ``autosp.compile(..., hardware="node.json")`` then uses
 the measured figures and the base's for the rest (memory size, topology, kernel facts).
 """
@@ -113,12 +113,14 @@ def measure(cfg: argparse.Namespace, rank: int, world: int) -> dict[str, Any]:
     matmul = {d: bench.matmul_flops(getattr(torch, d), cfg.matmul_n, device, cfg.repeats, group) for d in cfg.dtype_list}
     attention = {d: bench.attention_flops(getattr(torch, d), seq, heads, head_dim, device, cfg.repeats, group)
                  for d in cfg.dtype_list}
+    ring = bench.ring_block_flops(max(1, seq // 2), heads, head_dim, device, cfg.repeats, group)
     from autosp.hardware_select import resolve
     from autosp.registry import get_registry
 
     base, _ = resolve(cfg.base, device, get_registry())
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
-    return {"comm": comm, "matmul": matmul, "attention": attention, "base": base.name, "device": name, "world": world}
+    return {"comm": comm, "matmul": matmul, "attention": attention, "ring_block": ring, "base": base.name,
+            "device": name, "world": world}
 
 
 def to_profile(cfg: argparse.Namespace, m: dict[str, Any]) -> dict[str, Any]:
@@ -137,6 +139,8 @@ def to_profile(cfg: argparse.Namespace, m: dict[str, Any]) -> dict[str, Any]:
         "source": f"autosp-profile on {platform.node()} ({m['device']}), {world} ranks, torch {torch.__version__}, {when}",
         "matmul_flops": {dtype_name(d): v for d, v in m["matmul"].items()},
         "attention_flops": {dtype_name(d): v for d, v in m["attention"].items()},
+        # The ring op's blocks (autosp-ring installed): what variant="auto" weighs ring and hybrid by.
+        "kernel_flops": {"ring-block/float32": m["ring_block"]} if m["ring_block"] else {},
         "comm": comm,
     }
 
@@ -145,6 +149,8 @@ def summary(profile: dict[str, Any]) -> str:
     lines = [f"{profile['name']} (base {profile['base']}): {profile['source']}"]
     for d, v in profile["matmul_flops"].items():
         lines.append(f"  matmul {d}: {v / 1e12:.3g} TFLOP/s; attention {profile['attention_flops'][d] / 1e12:.3g} TFLOP/s")
+    for k, v in profile["kernel_flops"].items():
+        lines.append(f"  {k}: {v / 1e12:.3g} TFLOP/s")
     for kind, c in profile["comm"].items():
         pts = ", ".join(f"{b / 2**10:.0f} KiB {t * 1e6:.0f} us" for b, t in c["points"])
         lines.append(f"  {kind}: latency {c['latency'] * 1e6:.1f} us, {c['bandwidth'] / 1e9:.3g} GB/s ({pts})")

@@ -78,10 +78,32 @@ def matmul_flops(dtype: torch.dtype, n: int, device: torch.device, repeats: int,
 
 def attention_flops(dtype: torch.dtype, seq: int, heads: int, head_dim: int, device: torch.device, repeats: int,
                     group: dist.ProcessGroup | None) -> float:
-    """Causal SDPA FLOP/s (forward) at ``dtype``: 2*B*H*S*S*D counted, half of the full 4*B*H*S*S*D."""
-    q, k, v = (torch.randn(1, heads, seq, head_dim, device=device).to(dtype) for _ in range(3))
-    seconds = timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), device, repeats, group)
-    return 2.0 * heads * seq * seq * head_dim / seconds
+    """Causal SDPA FLOP/s at ``dtype``, forward and backward: 3.5x the forward's 2*H*S*S*D over their time."""
+    q, k, v = (torch.randn(1, heads, seq, head_dim, device=device).to(dtype).requires_grad_() for _ in range(3))
+
+    def step() -> None:
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+
+    seconds = timed(step, device, repeats, group)
+    return 3.5 * 2.0 * heads * seq * seq * head_dim / seconds
 
 
-__all__ = ["attention_flops", "collective", "matmul_flops", "timed"]
+def ring_block_flops(seq: int, heads: int, head_dim: int, device: torch.device, repeats: int,
+                     group: dist.ProcessGroup | None) -> float | None:
+    """FLOP/s of autosp-ring's fp32 blocks (forward and backward, 3.5x the forward's 4*H*L*L*D); None without it."""
+    try:
+        from autosp_ring.blocks import block_backward, block_forward
+    except ImportError:
+        return None
+    q, k, v = (torch.randn(1, heads, seq, head_dim, device=device) for _ in range(3))
+    scale = head_dim**-0.5
+
+    def block() -> None:
+        out, lse = block_forward(q, k, v, scale, None)
+        block_backward(q, k, v, out, lse, (out * out).sum(-1), scale, None)
+
+    seconds = timed(block, device, repeats, group)
+    return 3.5 * 4.0 * heads * seq * seq * head_dim / seconds
+
+
+__all__ = ["attention_flops", "collective", "matmul_flops", "ring_block_flops", "timed"]

@@ -185,7 +185,10 @@ class HardwareProfile:
         vendor: "nvidia", "amd", "cpu", ...
         arch: GPU architecture ("sm_90", "gfx942"); ROCm detection matches ``gcnArchName`` on it.
         matmul_flops: dense FLOP/s per dtype name ("float32", "tf32", "bfloat16", "float16", "float8").
-        attention_flops: measured attention FLOP/s per dtype (``autosp-profile``); else matmul's.
+        attention_flops: fused SDPA FLOP/s per dtype, forward and backward (3.5x the forward's
+            FLOPs over their time; measured by ``autosp-profile``); else the matmul figure.
+        kernel_flops: throughput of named kernels other than SDPA, e.g. "ring-block/float32" (the
+            ring op's blocks, forward and backward, 3.5x the forward FLOPs counted).
         memory_bytes: HBM (device memory) bytes of one device.
         memory_bandwidth: HBM bytes/s.
         interconnect: the node's links.
@@ -204,6 +207,7 @@ class HardwareProfile:
     arch: str = field(default="", kw_only=True)
     matmul_flops: Mapping[str, float] = field(default_factory=dict, kw_only=True)
     attention_flops: Mapping[str, float] = field(default_factory=dict, kw_only=True)
+    kernel_flops: Mapping[str, float] = field(default_factory=dict, kw_only=True)
     memory_bytes: int = field(default=0, kw_only=True)
     memory_bandwidth: float = field(default=0.0, kw_only=True)
     interconnect: Interconnect | None = field(default=None, kw_only=True)

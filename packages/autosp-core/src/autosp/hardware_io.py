@@ -96,11 +96,13 @@ def from_dict(d: dict[str, Any], where: str = "profile") -> HardwareProfile:
         merged.update(d.pop("matmul_flops", {}))
         attention = dict(base.attention_flops)
         attention.update(d.pop("attention_flops", {}))
+        kernels = dict(base.kernel_flops)
+        kernels.update(d.pop("kernel_flops", {}))
         comm = dict(base.comm)
         comm.update(d.pop("comm", {}))
         # flops/comm_bandwidth are derived: recompute them from the merged figures.
         return dataclasses.replace(base, **{"flops": 0.0, "comm_bandwidth": 0.0, **d}, matmul_flops=merged,
-                                   attention_flops=attention, comm=comm)
+                                   attention_flops=attention, kernel_flops=kernels, comm=comm)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{where}: {e}") from e
 

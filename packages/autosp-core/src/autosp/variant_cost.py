@@ -3,9 +3,10 @@
 Per attention site and training step (forward and backward), per rank:
 
 - compute: 4*B*H*S*S*D/P attention FLOPs forward (half when causal), 2.5x that backward, at the
-  profile's attention throughput. Ring and hybrid compute their blocks in fp32 matmuls
-  (``autosp_ring.blocks``), so they run at the fp32 matmul figure; hybrid's ring is contiguous,
-  not zigzag, so with a causal mask its last rank does 2R/(R+1) of the average work.
+  profile's attention throughput. Ring and hybrid compute their blocks unfused in fp32
+  (``autosp_ring.blocks``): the profile's measured "ring-block/float32" rate, else the fp32 matmul
+  rate slowed by the score matrix's memory traffic. Hybrid's ring is contiguous, not zigzag, so
+  with a causal mask its last rank does 2R/(R+1) of the average work.
 - Ulysses: one all-to-all of q, k and v and one of the output forward, the same backward; no
   overlap with compute. k/v with fewer heads than ranks are repeated to P/gcd(kv, P) as the rule does.
 - ring: P-1 hops of k and v forward; backward k/v again plus fp32 dk/dv. Hops overlap the block
@@ -28,6 +29,22 @@ from autosp.analysis.attention import AttentionSite, hint
 from autosp.hardware import HardwareProfile
 
 BACKWARD_FACTOR = 2.5  # flash-style backward: about 2.5x the forward's FLOPs
+# HBM bytes per score element of the ring op's unfused fp32 blocks, forward: scores written,
+# masked, reduced to the lse, exponentiated and read by the matmul.
+RING_BYTES_PER_SCORE = 28
+
+
+def ring_block_flops(hw: HardwareProfile, head_dim: int) -> float:
+    """FLOP/s of the ring op's blocks: measured when the profile has it, else fp32 matmul slowed by score traffic."""
+    measured = hw.kernel_flops.get("ring-block/float32")
+    if measured:
+        return measured
+    fp32 = hw.matmul("float32")
+    if not hw.memory_bandwidth:
+        return fp32
+    # Per score element: 4*D FLOPs at the fp32 rate, RING_BYTES_PER_SCORE through memory.
+    per_element = 4 * head_dim / fp32 + RING_BYTES_PER_SCORE / hw.memory_bandwidth
+    return 4 * head_dim / per_element
 
 
 @dataclass(frozen=True)
@@ -101,7 +118,7 @@ def _ring_part(z: _Sizes, kv_heads: float, span: int, ring: int, stride: int, wo
     hops = ring - 1
     fwd_comm = hops * hw.collective_seconds("p2p", fwd_bytes, ring, stride)
     bwd_comm = (hops + 1) * hw.collective_seconds("p2p", bwd_bytes, ring, stride)
-    fwd = imbalance * z.flops(world) / hw.matmul("float32")  # the ring op's blocks are fp32 matmuls
+    fwd = imbalance * z.flops(world) / ring_block_flops(hw, z.d)  # unfused fp32 blocks, not SDPA
     return hops * (fwd_bytes + bwd_bytes), fwd_comm, bwd_comm, fwd, BACKWARD_FACTOR * fwd
 
 
@@ -145,4 +162,7 @@ def hybrid_degrees(sites: list[AttentionSite], world: int) -> list[int]:
     return [u for u in range(2, world) if world % u == 0 and all(int(hint(s.heads)) % u == 0 for s in sites)]
 
 
-__all__ = ["BACKWARD_FACTOR", "Estimate", "hybrid", "hybrid_degrees", "ring", "ulysses"]
+__all__ = [
+    "BACKWARD_FACTOR", "RING_BYTES_PER_SCORE", "Estimate", "hybrid", "hybrid_degrees", "ring", "ring_block_flops",
+    "ulysses",
+]
