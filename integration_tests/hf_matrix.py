@@ -20,7 +20,10 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+from cases import caches_off
 from spmd_pool import PoolTimeout, RankError, SPMDPool
+
+import autosp
 
 Mode = Literal["train", "bf16", "eval"]
 Kind = Literal["exact", "refused", "bug"]
@@ -179,9 +182,6 @@ def _step(model: Any, inputs: dict[str, torch.Tensor], mode: Mode) -> dict[str, 
 
 def run_row(rank: int, world: int, row: Row, backend: str = "aot_eager") -> dict[str, Any]:
     """Pool task: the single-device eager step and the AutoSP step of ``row``, with what the reports say."""
-    import autosp
-    from cases import caches_off
-
     torch._dynamo.reset()
     model = build(row)
     inputs = batch(row)
@@ -193,7 +193,7 @@ def run_row(rank: int, world: int, row: Row, backend: str = "aot_eager") -> dict
     reports = compiled.autosp_reports
     return {"ref": ref, "sp": got, "seconds": time.perf_counter() - start, "graphs": len(reports),
             "sites": sum(len(r.sites) for r in reports), "fallbacks": [f for r in reports for f in r.fallbacks],
-            "notes": [n for r in reports for n in r.notes]}
+            "notes": [n for r in reports for n in r.notes], "sharded": [r.seq_len for r in reports]}
 
 
 @dataclass(frozen=True)
@@ -252,7 +252,10 @@ def classify(row: Row, per_rank: list[Any], seconds: float) -> Outcome:
     first = per_rank[0]
     gathers = f", {len(first['fallbacks'])} ops gathered" if first["fallbacks"] else ""
     kept = ", attention kept as written" if any("kept as written" in n for n in first["notes"]) else ""
-    return Outcome("exact", f"{first['graphs']} graphs, {first['sites']} attention sites{kept}{gathers}", seconds)
+    # A graph that shards nothing runs whole on every rank: exact, but not sequence-parallel; say so.
+    sharded = sum(s is not None for s in first["sharded"])
+    return Outcome("exact", f"{sharded} of {first['graphs']} graphs sharded, {first['sites']} attention sites"
+                   f"{kept}{gathers}", seconds)
 
 
 def check_row(pool: SPMDPool, row: Row, *, backend: str = "aot_eager", timeout_s: float = 300.0) -> Outcome:

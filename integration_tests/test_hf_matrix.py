@@ -1,0 +1,69 @@
+"""A few representative rows of the HF model matrix (the whole matrix: ``tools/scripts/hf_matrix.py``).
+
+Each row is one tiny HF model built in code, compiled at sp=2 with ``aot_eager`` on a persistent pool, and
+compared with single-device eager: loss and every parameter's gradient. The rows cover hand-written (eager)
+attention under HF gradient checkpointing, a model-built sliding-window mask, soft-capping, an encoder with a
+classification head and ring's zigzag layout.  The classification checks run first, without processes, so a
+comparison that could never fail would be caught here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from hf_matrix import Row, check_row, classify
+from spmd_pool import RankError, SPMDPool
+
+# Row -> None when it must be exact, else a phrase its refusal must contain (a clear message, recorded verbatim
+# by tools/scripts/hf_matrix.py).
+ROWS: dict[Row, str | None] = {
+    Row("Llama (eager)", "ulysses", checkpointing=True): None,
+    Row("Mistral (sliding window 8)", "ulysses"): None,
+    Row("Gemma-2 (soft-capping, eager)", "ulysses"): None,
+    Row("BERT classifier", "ulysses"): None,
+    Row("GPT-2 (eager)", "ring"): None,
+}
+
+
+def _result(loss: float, grad: float) -> dict:
+    return {"loss": torch.tensor(loss), "grads": {"w": torch.tensor([grad, 1.0])}}
+
+
+def _rank(ref: dict, sp: dict) -> dict:
+    return {"ref": ref, "sp": sp, "graphs": 1, "sites": 2, "fallbacks": [], "notes": [], "sharded": [16]}
+
+
+def test_classify_flags_wrong_values_and_unclear_errors() -> None:
+    row = Row("Llama (sdpa)", "ulysses")
+    ref = _result(2.0, 0.5)
+    assert classify(row, [_rank(ref, _result(2.0, 0.5))] * 2, 1.0).kind == "exact"
+    # A gradient off by 1e-3 relative (a missing or doubled summand is far more) and a loss off by 1e-4.
+    assert classify(row, [_rank(ref, _result(2.0, 0.5)), _rank(ref, _result(2.0, 0.5005))], 1.0).kind == "bug"
+    assert classify(row, [_rank(ref, _result(2.0002, 0.5))] * 2, 1.0).kind == "bug"
+    missing = {"loss": torch.tensor(2.0), "grads": {}}
+    assert "missing ['w']" in classify(row, [_rank(ref, missing)] * 2, 1.0).detail
+    refusal = RankError("AutoSPError", ("AutoSPError", "Exception"), "cannot shard X; do Y", "tb")
+    out = classify(row, [refusal, refusal], 1.0)
+    assert (out.kind, out.detail) == ("refused", "AutoSPError: cannot shard X; do Y")
+    # A refusal on one rank only, or an error that is not AutoSP's, is a bug: the ranks may be out of step.
+    other = RankError("RuntimeError", ("RuntimeError", "Exception"), "gloo: connection reset", "tb")
+    assert classify(row, [refusal, _rank(ref, ref)], 1.0).kind == "bug"
+    assert classify(row, [other, other], 1.0).kind == "bug"
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[SPMDPool]:
+    with SPMDPool(2, pg_timeout_s=240.0) as p:
+        yield p
+
+
+@pytest.mark.parametrize("row", list(ROWS), ids=[r.label().replace(" | ", "-").replace(" ", "_") for r in ROWS])
+def test_row(pool: SPMDPool, row: Row) -> None:
+    out = check_row(pool, row, timeout_s=600.0)
+    refusal = ROWS[row]
+    if refusal is None:
+        assert out.kind == "exact", f"{row.label()}: {out.cell()}"
+    else:
+        assert out.kind == "refused" and refusal in out.detail, f"{row.label()}: {out.cell()}"
