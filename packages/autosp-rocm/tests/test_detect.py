@@ -54,6 +54,9 @@ def test_simulated_h100_on_a_cuda_build_is_not_taken_for_amd(monkeypatch):
     assert MI300X.kernel_for(128, "float32", gqa=False).name == "efficient"
     assert MI300X.kernel_for(128, "bfloat16", gqa=True).name == "flash"
     assert MI300X.kernel_for(512, "bfloat16", gqa=False) is None  # head dim over AOTriton's 256
+    for amd in (MI250X, MI325X, MI355X):  # the same AOTriton rules on every Instinct generation
+        assert [k.name for k in amd.attention_kernels] == ["flash", "efficient"]
+        assert amd.kernel_for(64, "float32", gqa=True) is None and amd.kernel_for(64, "float32", gqa=False)
 
 
 def test_profiles_carry_data_sheet_figures_and_topology():
