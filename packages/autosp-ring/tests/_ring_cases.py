@@ -49,7 +49,7 @@ def build(name: str) -> torch.nn.Module:
         return GPT2Like(Config(dim=32, heads=4))
     if name == "encoder-h6":  # non-causal, 6 heads
         return Encoder(Config(dim=48, heads=6))
-    if name == "llama-mask":  # sliding window through an attn_mask tensor: ring refuses it
+    if name == "llama-mask":  # sliding window through a boolean attn_mask the model builds
         return LlamaLike(Config(dim=32, hidden=64, window=9))
     if name == "window-op":  # the same window through the autosp-window plugin op
         import autosp_window  # noqa: F401
@@ -139,6 +139,59 @@ def op_errors(rank: int, world: int, cfg: tuple) -> list[float]:
     return [(a - full[:, :, part]).abs().max().item() for a, full in pairs]
 
 
+def op_mask_errors(rank: int, world: int, kind: str, zigzag: bool) -> list[float]:
+    """The ring op with a model-built mask (whole on every rank) against SDPA with the same mask.
+
+    "bool": causal and right padding as one boolean mask [B, 1, S, S]; "bias": a learned additive
+    bias [1, H, S, S] with ``is_causal`` (its gradient too, summed over ranks); "rows": a boolean mask
+    that leaves whole tiles empty (block-diagonal documents), which the op skips.
+    """
+    import torch.distributed as dist
+
+    from autosp_ring.op import segments
+
+    bsz, heads, kv_heads, seq, dim = 2, 4, 2, 16, 8
+    gen = torch.Generator().manual_seed(3)
+    q, k, v, dout = (torch.randn(bsz, h, seq, dim, generator=gen) for h in (heads, kv_heads, kv_heads, heads))
+    pos = torch.arange(seq)
+    causal = pos[None, :] <= pos[:, None]
+    if kind == "bias":
+        mask = torch.randn(1, heads, seq, seq, generator=gen).requires_grad_()
+        ref_mask = mask.masked_fill(~causal, float("-inf"))
+    elif kind == "bool":
+        keep = torch.ones(bsz, seq, dtype=torch.bool)
+        keep[0, -3:] = False
+        mask = (causal & keep[:, None, :])[:, None]
+        ref_mask = mask
+    else:
+        doc = pos // (seq // 4)
+        mask = ((doc[None, :] == doc[:, None]) & causal)[None, None]
+        ref_mask = mask
+    qf, kf, vf = (t.clone().requires_grad_() for t in (q, k, v))
+    ref = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=ref_mask, enable_gqa=True)
+    ref.backward(dout)
+    ref_dmask = mask.grad.clone() if kind == "bias" else None
+    if kind == "bias":
+        mask.grad = None
+    chunk = seq // world
+    pieces = segments(rank, chunk, world, zigzag)
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t[:, :, g:g + n] for g, n, _ in pieces], dim=2)
+
+    ql, kl, vl = (local(t).clone().requires_grad_() for t in (q, k, v))
+    got, _ = torch.ops.autosp_ring.ring_attention(
+        ql, kl, vl, kind == "bias", dim ** -0.5, 0, zigzag, dist.group.WORLD.group_name, mask)
+    got.backward(local(dout))
+    errs = [(a - local(full)).abs().max().item() for a, full in
+            [(got, ref), (ql.grad, qf.grad), (kl.grad, kf.grad), (vl.grad, vf.grad)]]
+    if kind == "bias":
+        dmask = mask.grad.clone()
+        dist.all_reduce(dmask)
+        errs.append((dmask - ref_dmask).abs().max().item())
+    return errs
+
+
 def _resolve(group_name: str) -> Any:
     from torch.distributed.distributed_c10d import _resolve_process_group
 
@@ -151,6 +204,9 @@ def run(rank: int, world: int, jobs: list[tuple], b: dict, memory: list[str], op
     from autosp_ring import BLOCK_COUNTS
 
     results: dict[str, Any] = {"ops": [op_errors(rank, world, cfg) for cfg in ops]}
+    if ops:
+        results["mask_ops"] = {(kind, zz): op_mask_errors(rank, world, kind, zz)
+                               for kind in ("bool", "bias", "rows") for zz in (False, True)}
     for name, variant, options in jobs:
         BLOCK_COUNTS.clear()
         compiled = compile_model(name, variant, world, options)

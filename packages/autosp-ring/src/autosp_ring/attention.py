@@ -18,7 +18,7 @@ from autosp.errors import AutoSPError
 from autosp.lowering import SDPA, sdpa_args
 from autosp.sharding.context import SPContext, SPValue
 from autosp.sharding.placement import Layout, Replicate, SeqAxis, Shard, zigzag_ranges
-from autosp.sharding.redistribute import to_shard
+from autosp.sharding.redistribute import to_replicate, to_shard
 from autosp_ring.blocks import default_scale
 
 # Plugin attention specs with this name are causal sliding-window attention called as
@@ -26,7 +26,8 @@ from autosp_ring.blocks import default_scale
 SLIDING_WINDOW = "sliding_window"
 
 SUPPORTED = (
-    "ring attention supports F.scaled_dot_product_attention with is_causal=True or no mask, "
+    "ring attention supports F.scaled_dot_product_attention (is_causal, and an attn_mask of shape "
+    "[B or 1, H or 1, S, S] or [S, S], boolean or additive), "
     f"and plugin ops registered as {SLIDING_WINDOW!r} attention (causal sliding window, e.g. autosp-window's "
     "autosp_window.sliding_window_attention)"
 )
@@ -36,14 +37,24 @@ def check(site: AttentionSite, world: int) -> None:
     """Compile-time refusal of what the ring op cannot compute exactly (runs before any collective)."""
     if site.spec.name not in (SDPA.name, SLIDING_WINDOW):
         raise AutoSPError(f"attention {site.name} is a {site.spec.name!r} op; {SUPPORTED}; or use variant='ulysses'")
-    if site.mask_shape is not None:
+    if site.mask_shape is not None and not _tileable(site):
         raise AutoSPError(
-            f"attention {site.name} gets an attn_mask tensor {hints(site.mask_shape)}, which ring attention cannot "
-            f"split over the ring in general; {SUPPORTED}. Use is_causal=True instead of a causal mask, or "
-            "variant='ulysses' for arbitrary masks"
+            f"attention {site.name} gets an attn_mask of shape {hints(site.mask_shape)}, which ring attention "
+            f"cannot cut into (query block, key block) tiles; {SUPPORTED}. Or use variant='ulysses'"
         )
     if sorted(site.spec.layout) != sorted("BHSD"):
         raise AutoSPError(f"attention {site.name}: layout {site.spec.layout!r} is not a permutation of BHSD")
+
+
+def _tileable(site: AttentionSite) -> bool:
+    """A mask ring can tile: its last two axes are the whole (query, key) sequence, the rest broadcast."""
+    shape = tuple(site.mask_shape)
+    if len(shape) == 2:
+        shape = (1, 1, *shape)
+    if len(shape) != 4:
+        return False
+    b, h, s, sk = shape
+    return s == site.seq_len and sk == site.kv_seq_len and b in (1, site.batch) and h in (1, site.heads)
 
 
 @dataclass
@@ -56,6 +67,7 @@ class Call:
     causal: bool
     scale: float
     window: int
+    mask: Any = None  # the model's mask (SPValue or tensor), tiled per block
 
 
 def _plain(x: Any) -> Any:
@@ -66,12 +78,10 @@ def parse(node: torch.fx.Node, site: AttentionSite, args: tuple, kwargs: dict) -
     spec = site.spec
     if spec.leaf is not None and node.target == spec.leaf:
         a = sdpa_args(args, kwargs)
-        if a["attn_mask"] is not None:
-            raise AutoSPError(f"attention {site.name} gets an attn_mask tensor; {SUPPORTED}")
         if a["dropout_p"]:
             raise AutoSPError(f"attention {site.name}: dropout_p={a['dropout_p']} is not supported by ring attention")
         scale = a["scale"] if a["scale"] is not None else default_scale(site.head_dim)
-        return Call(a["query"], a["key"], a["value"], bool(a["is_causal"]), float(scale), 0)
+        return Call(a["query"], a["key"], a["value"], bool(a["is_causal"]), float(scale), 0, a["attn_mask"])
     q, k, v = (args[i] for i in spec.qkv)
     window = _plain(args[3]) if len(args) > 3 else _plain(kwargs["window"])
     if not isinstance(window, int) or window < 1:
@@ -113,19 +123,39 @@ def seq_chunks(ctx: SPContext, site: AttentionSite, call: Call) -> tuple[torch.T
     return tuple(out)
 
 
+def whole_mask(ctx: SPContext, site: AttentionSite, call: Call) -> torch.Tensor | None:
+    """The model's mask whole on every rank, as [B or 1, H or 1, S, S]: each ring block slices its tile.
+
+    A mask the model builds may arrive sharded on its query rows; gathering it costs what the
+    single-device program held, and lets every block read any (query, key) tile.
+    """
+    mask = call.mask
+    if mask is None:
+        return None
+    if isinstance(mask, SPValue):
+        mask = to_replicate(ctx, mask).local
+    if mask.dim() == 2:
+        mask = mask[None, None]
+    if mask.dtype != torch.bool and mask.dtype != torch.float32:
+        mask = mask.float()
+    return mask.contiguous()
+
+
 def ring_attention_rule(ctx: SPContext, node: torch.fx.Node, site: AttentionSite, args: tuple, kwargs: dict) -> SPValue:
     call = parse(node, site, args, kwargs)
     q, k, v = seq_chunks(ctx, site, call)
+    mask = whole_mask(ctx, site, call)
     ctx.note("ring_attention")
     sdim, length = site.axis("S"), site.seq_len
     layout = ctx.layout(length)
     zigzag = layout != ctx.even_ranges(length)
     out, _ = torch.ops.autosp_ring.ring_attention(
-        q, k, v, call.causal, call.scale, call.window, zigzag, ctx.group_name
+        q, k, v, call.causal, call.scale, call.window, zigzag, ctx.group_name, mask
     )
     return SPValue(from_bhsd(site, out), Shard(SeqAxis(sdim, length), layout), node.meta["val"])
 
 
 __all__ = [
     "SLIDING_WINDOW", "SUPPORTED", "Call", "check", "parse", "ring_attention_rule", "ring_layout", "seq_chunks",
+    "whole_mask",
 ]

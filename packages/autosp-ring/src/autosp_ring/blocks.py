@@ -71,9 +71,34 @@ def _safe(lse: Tensor) -> Tensor:
 
 def _scores(q: Tensor, k: Tensor, scale: float, mask: Tensor | None) -> Tensor:
     s = torch.matmul(q.float(), expand_kv(k, q.shape[1]).float().transpose(-1, -2)) * scale
-    if mask is not None:
-        s = s.masked_fill(~mask, NEG_INF)
-    return s
+    if mask is None:
+        return s
+    if mask.dtype == torch.bool:
+        return s.masked_fill(~mask, NEG_INF)
+    return s + mask.float()
+
+
+def tile_mask(structural: Tensor | None, tile: Tensor | None) -> Tensor | None:
+    """One block's mask: the causal/window pattern combined with the block's tile of the model's mask.
+
+    A boolean tile keeps the pairs it marks True (as SDPA's boolean ``attn_mask``); a float tile is
+    added to the scores (an additive mask or bias).  The result is bool or fp32, as ``_scores`` takes.
+    """
+    if tile is None:
+        return structural
+    if tile.dtype == torch.bool:
+        return tile if structural is None else tile & structural
+    bias = tile.float()
+    return bias if structural is None else bias.masked_fill(~structural, NEG_INF)
+
+
+def tile_needed(tile: Tensor | None) -> bool:
+    """Whether the model's mask leaves any pair of the block; fully masked tiles are skipped."""
+    if tile is None:
+        return True
+    if tile.dtype == torch.bool:
+        return bool(tile.any())
+    return not bool(torch.isneginf(tile).all())
 
 
 def block_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, mask: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -129,8 +154,11 @@ def merge(out: Tensor, lse: Tensor, b_out: Tensor, b_lse: Tensor) -> tuple[Tenso
 
 
 def block_backward(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: Tensor, scale: float,
-                   mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-    """fp32 (dq, dk, dv) of one block given the final lse and delta = rowsum(dout * out)."""
+                   mask: Tensor | None, return_ds: bool = False) -> tuple[Tensor, ...]:
+    """fp32 (dq, dk, dv) of one block given the final lse and delta = rowsum(dout * out).
+
+    With ``return_ds``, also the gradient of the scores (that of an additive mask's tile).
+    """
     heads, kv_heads = q.shape[1], k.shape[1]
     s = _scores(q, k, scale, mask)
     p = torch.exp(s - _safe(lse)[..., None])
@@ -140,6 +168,8 @@ def block_backward(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, d
     ds = p * (dp - delta[..., None])
     dq = torch.matmul(ds, expand_kv(k, heads).float()) * scale
     dk = torch.matmul(ds.transpose(-1, -2), q.float()) * scale
+    if return_ds:
+        return dq, reduce_kv(dk, kv_heads), reduce_kv(dv, kv_heads), ds
     return dq, reduce_kv(dk, kv_heads), reduce_kv(dv, kv_heads)
 
 
@@ -150,5 +180,5 @@ def default_scale(head_dim: int) -> float:
 __all__ = [
     "REFERENCE_KERNEL", "BlockKernel", "block_kernel", "natural_lse", "set_block_kernel",
     "allowed_pairs", "block_backward", "block_forward", "block_mask", "block_needed", "default_scale",
-    "expand_kv", "merge", "reduce_kv",
+    "expand_kv", "merge", "reduce_kv", "tile_mask", "tile_needed",
 ]

@@ -22,7 +22,7 @@ from autosp.options import group_timeout
 from autosp.sharding import collectives as C
 from autosp.sharding.context import SPContext, SPValue
 from autosp.sharding.placement import SeqAxis, Shard
-from autosp_ring.attention import from_bhsd, parse, seq_chunks
+from autosp_ring.attention import from_bhsd, parse, seq_chunks, whole_mask
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,12 @@ def hybrid_attention_rule(ctx: SPContext, node: torch.fx.Node, site: AttentionSi
     qh = C.all_to_all(q, 1, 2, g.ulysses)
     kh = _kv_for_heads(k, site.heads, g, rank_u)
     vh = _kv_for_heads(v, site.heads, g, rank_u)
-    out, _ = torch.ops.autosp_ring.ring_attention(qh, kh, vh, call.causal, call.scale, call.window, False, g.ring)
+    mask = whole_mask(ctx, site, call)
+    if mask is not None and mask.shape[1] > 1:
+        per = site.heads // g.degree
+        mask = mask.narrow(1, rank_u * per, per).contiguous()  # the heads this rank attends for
+    out, _ = torch.ops.autosp_ring.ring_attention(qh, kh, vh, call.causal, call.scale, call.window, False, g.ring,
+                                                  mask)
     back = C.all_to_all(out.contiguous(), 2, 1, g.ulysses)
     sdim, length = site.axis("S"), site.seq_len
     return SPValue(from_bhsd(site, back), Shard(SeqAxis(sdim, length), ctx.even_ranges(length)), node.meta["val"])

@@ -21,7 +21,9 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from autosp_ring.blocks import block_backward, block_kernel, block_mask, block_needed, merge, natural_lse
+from autosp_ring.blocks import (
+    block_backward, block_kernel, block_mask, block_needed, merge, natural_lse, tile_mask, tile_needed,
+)
 
 # Blocks computed by this process: ("forward"|"backward", "computed"|"skipped") -> count. Lets
 # callers measure causal imbalance (rank 0 skips most blocks, the last rank none).
@@ -92,9 +94,14 @@ def _steps(world: int, chunk: int, window: int, zigzag: bool) -> int:
 
 @torch.library.custom_op("autosp_ring::ring_attention", mutates_args=())
 def ring_attention(
-    q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float, window: int, zigzag: bool, group_name: str
+    q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float, window: int, zigzag: bool, group_name: str,
+    mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Attention of this rank's query pieces over the whole sequence: (out [B,H,L,Dv], fp32 lse [B,H,L])."""
+    """Attention of this rank's query pieces over the whole sequence: (out [B,H,L,Dv], fp32 lse [B,H,L]).
+
+    ``mask``: the model's whole ``[B or 1, H or 1, S, S]`` mask (boolean: keep where True; float: added
+    to the scores), the same on every rank; each block takes its tile by global positions.
+    """
     ring = _Ring(group_name)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     chunk, c, world = q.shape[2], ring.rank, ring.world
@@ -110,12 +117,13 @@ def ring_attention(
         kj, vj = _unpack(buf, (k, v))
         for qo, ql, qs in segments(c, chunk, world, zigzag):
             for ko, kl, ks in segments(j, chunk, world, zigzag):
-                if not block_needed(qo, ql, ko, kl, is_causal, window):
+                tile = _tile(mask, qo, ql, ko, kl)
+                if not block_needed(qo, ql, ko, kl, is_causal, window) or not tile_needed(tile):
                     BLOCK_COUNTS["forward", "skipped"] += 1
                     continue
-                mask = block_mask(qo, ql, ko, kl, is_causal, window, q.device)
+                bmask = tile_mask(block_mask(qo, ql, ko, kl, is_causal, window, q.device), tile)
                 rows = slice(qs, qs + ql)
-                o, block_lse = kernel.forward(q[:, :, rows], kj[:, :, ks:ks + kl], vj[:, :, ks:ks + kl], scale, mask)
+                o, block_lse = kernel.forward(q[:, :, rows], kj[:, :, ks:ks + kl], vj[:, :, ks:ks + kl], scale, bmask)
                 block_lse = natural_lse(block_lse.float(), kernel.lse_base)
                 out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], o.float(), block_lse)
                 BLOCK_COUNTS["forward", "computed"] += 1
@@ -125,7 +133,7 @@ def ring_attention(
 
 
 @ring_attention.register_fake
-def _(q, k, v, is_causal, scale, window, zigzag, group_name):
+def _(q, k, v, is_causal, scale, window, zigzag, group_name, mask=None):
     b, h, chunk = q.shape[0], q.shape[1], q.shape[2]
     return q.new_empty((b, h, chunk, v.shape[-1])), q.new_empty((b, h, chunk), dtype=torch.float32)
 
@@ -134,8 +142,13 @@ def _(q, k, v, is_causal, scale, window, zigzag, group_name):
 def ring_attention_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
     is_causal: bool, scale: float, window: int, zigzag: bool, group_name: str,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) of this rank's pieces; dk/dv sum the contributions of every rank's queries."""
+    mask: Tensor | None = None, mask_grad: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dmask) of this rank's pieces; dk/dv sum the contributions of every rank's queries.
+
+    ``dmask`` (with ``mask_grad``; else empty) holds the rows of this rank's queries only: summed
+    over the ranks it is the mask's gradient, as for any value every rank holds whole.
+    """
     ring = _Ring(group_name)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     chunk, c, world = q.shape[2], ring.rank, ring.world
@@ -144,6 +157,7 @@ def ring_attention_backward(
     dq = torch.zeros_like(q, dtype=torch.float32)
     buf = _pack(k, v)
     grads = torch.zeros(buf.numel(), dtype=torch.float32, device=q.device)
+    dmask = torch.zeros_like(mask, dtype=torch.float32) if mask_grad and mask is not None else None
     steps = _steps(world, chunk, window, zigzag)
     for s in range(steps):
         pending_kv = ring.start(buf, 1, _KV_TAG) if s < steps - 1 else None
@@ -152,15 +166,18 @@ def ring_attention_backward(
         dk_acc, dv_acc = _unpack(grads, (k, v))
         for qo, ql, qs in segments(c, chunk, world, zigzag):
             for ko, kl, ks in segments(j, chunk, world, zigzag):
-                if not block_needed(qo, ql, ko, kl, is_causal, window):
+                tile = _tile(mask, qo, ql, ko, kl)
+                if not block_needed(qo, ql, ko, kl, is_causal, window) or not tile_needed(tile):
                     BLOCK_COUNTS["backward", "skipped"] += 1
                     continue
-                mask = block_mask(qo, ql, ko, kl, is_causal, window, q.device)
+                bmask = tile_mask(block_mask(qo, ql, ko, kl, is_causal, window, q.device), tile)
                 rows, cols = slice(qs, qs + ql), slice(ks, ks + kl)
-                dq_b, dk_b, dv_b = block_backward(
+                dq_b, dk_b, dv_b, *ds = block_backward(
                     q[:, :, rows], kj[:, :, cols], vj[:, :, cols], dout32[:, :, rows], lse[:, :, rows],
-                    delta[:, :, rows], scale, mask,
+                    delta[:, :, rows], scale, bmask, return_ds=dmask is not None,
                 )
+                if dmask is not None:
+                    dmask[:, :, qo:qo + ql, ko:ko + kl] += _unbroadcast(ds[0], dmask.shape)
                 dq[:, :, rows] += dq_b
                 dk_acc[:, :, cols] += dk_b
                 dv_acc[:, :, cols] += dv_b
@@ -174,27 +191,45 @@ def ring_attention_backward(
         # This rank now holds chunk c-(steps-1)'s accumulator: hand it to its owner.
         grads = ring.finish(ring.start(grads, -back, _GRAD_TAG))
     dk, dv = _unpack(grads, (k, v))
+    dm = dmask.to(mask.dtype) if dmask is not None else q.new_empty(0)
     # dk and dv are views of one buffer: copies, since custom op outputs may not alias.
-    return dq.to(q.dtype), dk.to(k.dtype, copy=True), dv.to(v.dtype, copy=True)
+    return dq.to(q.dtype), dk.to(k.dtype, copy=True), dv.to(v.dtype, copy=True), dm
 
 
 @ring_attention_backward.register_fake
-def _(dout, q, k, v, out, lse, is_causal, scale, window, zigzag, group_name):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+def _(dout, q, k, v, out, lse, is_causal, scale, window, zigzag, group_name, mask=None, mask_grad=False):
+    dm = torch.empty_like(mask) if mask_grad and mask is not None else q.new_empty(0)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dm
+
+
+def _tile(mask: Tensor | None, qo: int, ql: int, ko: int, kl: int) -> Tensor | None:
+    """The model mask's entries for global query rows [qo, qo+ql) and key columns [ko, ko+kl)."""
+    return None if mask is None else mask[:, :, qo:qo + ql, ko:ko + kl]
+
+
+def _unbroadcast(grad: Tensor, shape: torch.Size) -> Tensor:
+    """Sum a [B, H, ...] block gradient over the axes where the mask has size 1."""
+    dims = [d for d in (0, 1) if shape[d] == 1 and grad.shape[d] != 1]
+    return grad.sum(dims, keepdim=True) if dims else grad
 
 
 def _setup(ctx: Any, inputs: tuple, output: tuple) -> None:
-    q, k, v, ctx.is_causal, ctx.scale, ctx.window, ctx.zigzag, ctx.group_name = inputs
-    ctx.save_for_backward(q, k, v, *output)
+    q, k, v, ctx.is_causal, ctx.scale, ctx.window, ctx.zigzag, ctx.group_name, mask = inputs
+    ctx.has_mask = mask is not None
+    ctx.save_for_backward(q, k, v, *output, *([mask] if mask is not None else []))
 
 
 def _backward(ctx: Any, dout: Tensor, dlse: Tensor | None):
     # lse is an auxiliary output for merging; AutoSP never differentiates through it.
-    q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = torch.ops.autosp_ring.ring_attention_backward(
-        dout.contiguous(), q, k, v, out, lse, ctx.is_causal, ctx.scale, ctx.window, ctx.zigzag, ctx.group_name
+    q, k, v, out, lse, *rest = ctx.saved_tensors
+    mask = rest[0] if ctx.has_mask else None
+    # A bias computed from parameters (ALiBi slopes, T5 buckets) needs its gradient; a constant mask not.
+    mask_grad = bool(mask is not None and mask.is_floating_point() and ctx.needs_input_grad[8])
+    dq, dk, dv, dmask = torch.ops.autosp_ring.ring_attention_backward(
+        dout.contiguous(), q, k, v, out, lse, ctx.is_causal, ctx.scale, ctx.window, ctx.zigzag, ctx.group_name,
+        mask, mask_grad,
     )
-    return dq, dk, dv, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, dmask if mask_grad else None
 
 
 ring_attention.register_autograd(_backward, setup_context=_setup)

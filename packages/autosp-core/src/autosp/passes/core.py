@@ -45,11 +45,32 @@ def find_attention(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
     ctx.report.sites = list(ctx.sites)
 
 
-def _settle_sequence(ctx: CompileContext, written_out: list[EagerRegion]) -> None:
-    """The sequence length this graph shards, from its attention or, lacking any, an earlier graph's."""
-    lengths = [_concrete(s.seq_len) for s in ctx.sites] + [_concrete(s.kv_seq_len) for s in ctx.sites]
-    lengths += [_concrete(r.q.meta["val"].shape[2]) for r in written_out]
-    lengths += [_concrete(r.k.meta["val"].shape[2]) for r in written_out]
+def _input_size(ctx: CompileContext, n: int | torch.SymInt) -> int | torch.SymInt:
+    """``n`` as the size of an input: a symbolic size read off the lowered graph belongs to its trace,
+    and the SP rewrite traces anew from the inputs."""
+    n = _concrete(n)
+    if not isinstance(n, torch.SymInt):
+        return n
+    for x in ctx.fake_inputs:
+        for d in x.shape if isinstance(x, torch.Tensor) else ():
+            if isinstance(d, torch.SymInt) and d.node.expr == n.node.expr:
+                return d
+    return n
+
+
+def _site_lengths(sites: list) -> list[int | torch.SymInt]:
+    return [_concrete(s.seq_len) for s in sites] + [_concrete(s.kv_seq_len) for s in sites]
+
+
+def _settle_sequence(ctx: CompileContext, lengths: list, written_out: list[EagerRegion]) -> None:
+    """The sequence length this graph shards, from its attention or, lacking any, an earlier graph's.
+
+    ``lengths``: those of the sites found in the Dynamo graph, read before lowering: lowering may
+    specialise a dynamic length, and the rewrite must keep Dynamo's symbol.
+    """
+    lengths = [*lengths, *(r.q.meta["val"].shape[2] for r in written_out),
+               *(r.k.meta["val"].shape[2] for r in written_out)]
+    lengths = [_input_size(ctx, n) for n in lengths]
     if not lengths:
         known = ctx.known_seq_len
         static = all(isinstance(d, int) for x in ctx.fake_inputs if isinstance(x, torch.Tensor) for d in x.shape)
@@ -109,6 +130,7 @@ def _take_written_out(aten_gm: torch.fx.GraphModule, ctx: CompileContext) -> tup
 
 
 def lower(gm: torch.fx.GraphModule, ctx: CompileContext) -> torch.fx.GraphModule:
+    dynamo_lengths = _site_lengths(ctx.sites)
     insert_leaves(gm, _specs(ctx))
     aten_gm = lower_to_aten(gm, ctx.fake_inputs, ctx.fake_mode)
     changed, written_out = _take_written_out(aten_gm, ctx)
@@ -118,7 +140,8 @@ def lower(gm: torch.fx.GraphModule, ctx: CompileContext) -> torch.fx.GraphModule
     # Sites again, now keyed by the lowered graph's node names.
     ctx.sites = find_attention_sites(aten_gm, _specs(ctx))
     ctx.report.sites = list(ctx.sites)
-    _settle_sequence(ctx, written_out)
+    # Sites inside higher-order ops (checkpointed layers) and rewritten ones appear only after lowering.
+    _settle_sequence(ctx, dynamo_lengths or _site_lengths(ctx.sites), written_out)
     return aten_gm
 
 
@@ -140,7 +163,9 @@ def shard(gm: torch.fx.GraphModule, ctx: CompileContext) -> torch.fx.GraphModule
     try:
         out = shard_graph(gm, sp, ctx.fake_inputs, ctx.is_param, ctx.fake_mode)
     except RuntimeError as e:
-        if isinstance(sp.seq_len, int) or "is not tracked with proxy" not in str(e):
+        symbolic = any(isinstance(d, torch.SymInt) for x in ctx.fake_inputs if isinstance(x, torch.Tensor)
+                       for d in x.shape)
+        if not symbolic or "is not tracked with proxy" not in str(e):
             raise
         raise AutoSPError(
             f"AutoSP could not trace this model with a dynamic sequence length ({sp.seq_len}); compile without "
