@@ -27,8 +27,8 @@ ROWS: dict[Row, str | None] = {
 }
 
 
-def _result(loss: float, grad: float) -> dict:
-    return {"loss": torch.tensor(loss), "grads": {"w": torch.tensor([grad, 1.0])}}
+def _result(loss: float, grad: float, logit: float = 0.5) -> dict:
+    return {"loss": torch.tensor(loss), "logits": torch.tensor([[logit, 1.0]]), "grads": {"w": torch.tensor([grad, 1.0])}}
 
 
 def _rank(ref: dict, sp: dict) -> dict:
@@ -42,7 +42,8 @@ def test_classify_flags_wrong_values_and_unclear_errors() -> None:
     # A gradient off by 1e-3 relative (a missing or doubled summand is far more) and a loss off by 1e-4.
     assert classify(row, [_rank(ref, _result(2.0, 0.5)), _rank(ref, _result(2.0, 0.5005))], 1.0).kind == "bug"
     assert classify(row, [_rank(ref, _result(2.0002, 0.5))] * 2, 1.0).kind == "bug"
-    missing = {"loss": torch.tensor(2.0), "grads": {}}
+    assert "logits" in classify(row, [_rank(ref, _result(2.0, 0.5, logit=0.501))] * 2, 1.0).detail
+    missing = {**ref, "grads": {}}
     assert "missing ['w']" in classify(row, [_rank(ref, missing)] * 2, 1.0).detail
     refusal = RankError("AutoSPError", ("AutoSPError", "Exception"), "cannot shard X; do Y", "tb")
     out = classify(row, [refusal, refusal], 1.0)
