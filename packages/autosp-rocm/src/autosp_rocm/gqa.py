@@ -58,6 +58,7 @@ class RepeatKVForKernel(TorchFunctionMode):
 
 def wrap_attention_rule(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
     counts: Counter = Counter()
+    assert ctx.variant is not None  # the pass applies only with SP, where a variant is set
     rule = ctx.variant.attention_rule
 
     def attention_rule(sp: Any, node: torch.fx.Node, site: Any, args: tuple, kwargs: dict) -> Any:
