@@ -1,7 +1,7 @@
 """Attention written out by hand, graph breaks and checkpointed layers: exact against single-device eager.
 
 Hand-written attention that SDPA computes exactly becomes one SDPA call (every variant rewrites
-it); what it cannot (soft-capping, a mask a variant cannot take) stays as written and is still
+it); what it cannot (soft-capping, heads a variant cannot split) stays as written and is still
 exact, k and v gathered.  A graph without attention shards by the length of the graph before it,
 or runs whole when none came before.  Each case also pins what the report says it did.
 """
@@ -57,8 +57,8 @@ def test_two_ranks_ulysses():
 
 
 def test_two_ranks_ring():
-    # Ring cannot take a model-built mask: nanoGPT's stays as written (exact, k and v gathered).
-    expect = {("nano", "none", 4, False): (0, "variant 'ring' cannot take it"),
+    # Ring tiles the mask the model builds (nanoGPT's tril buffer, GPT-2's padding) block by block.
+    expect = {("nano", "none", 4, False): (2, REWRITTEN), ("gpt2", "none", 4, True): (2, REWRITTEN),
               ("sdpa", "between", 2, False): (2, None)}
     check(2, "aot_eager", "ring", list(expect), expect=expect)
 
