@@ -154,6 +154,65 @@ class LM(nn.Module):
         return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1), ignore_index=-100)
 
 
+def doc_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """Block-diagonal causal [B, 1, S, S] mask of documents packed in a row: positions restart at 0."""
+    doc = torch.cumsum((position_ids == 0).int(), dim=-1)
+    same = doc[:, :, None] == doc[:, None, :]
+    causal = torch.tril(torch.ones(position_ids.shape[1], position_ids.shape[1], dtype=torch.bool,
+                                   device=position_ids.device))
+    return (same & causal)[:, None]
+
+
+class PackedBlock(Block):
+    """Attention over the documents packed in a row, by SDPA with a boolean mask or written out."""
+
+    def __init__(self, written: bool) -> None:
+        super().__init__(sdpa, HEADS)
+        self.written = written
+        self.mask: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        hd = DIM // HEADS
+        h = self.norm1(x)
+        q = self.q(h).view(b, t, HEADS, hd).transpose(1, 2)
+        k, v = (y.transpose(1, 2) for y in self.kv(h).view(b, t, 2, HEADS, hd).unbind(2))
+        if self.written:
+            att = (q @ k.transpose(-2, -1)) / math.sqrt(hd)
+            y = att.masked_fill(~self.mask, float("-inf")).softmax(-1) @ v
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask)
+        x = x + self.o(y.transpose(1, 2).reshape(b, t, DIM))
+        return x + self.mlp(self.norm2(x))
+
+
+class PackedLM(nn.Module):
+    """Documents packed into rows: ``position_ids`` restart per document, the model builds the mask."""
+
+    def __init__(self, written: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.pos = nn.Embedding(MAX_SEQ, DIM)
+        self.blocks = nn.ModuleList(PackedBlock(written) for _ in range(LAYERS))
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids) + self.pos(position_ids)
+        mask = doc_mask(position_ids)
+        for block in self.blocks:
+            block.mask = mask
+            x = block(x)
+        logits = self.head(x)
+        return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1), ignore_index=-100)
+
+
+def packed_positions(seq: int, batch: int = 2) -> torch.Tensor:
+    """Uneven documents, some crossing the ranks' chunk boundaries (lengths 5, 1, seq-9, 3 / 2, seq-2)."""
+    rows = [[5, 1, seq - 9, 3], [2, seq - 2]]
+    return torch.stack([torch.cat([torch.arange(n) for n in rows[i % 2]]) for i in range(batch)])
+
+
 def inputs(seq: int = 16, batch: int = 2) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, VOCAB, (batch, seq), generator=g)
@@ -169,4 +228,4 @@ def padding(seq: int = 16, batch: int = 2) -> torch.Tensor:
     return pad
 
 
-__all__ = ["ATTENTION", "LM", "inputs", "padding"]
+__all__ = ["ATTENTION", "LM", "PackedLM", "doc_mask", "inputs", "packed_positions", "padding"]

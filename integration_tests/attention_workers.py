@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from attention_models import LM, inputs, padding
+from attention_models import LM, PackedLM, inputs, packed_positions, padding
 from cases import caches_off
 
 import autosp
@@ -14,7 +14,16 @@ Case = tuple[str, str, int, bool]  # attention, breaks, kv heads, with a padding
 
 
 def _args(case: Case, seq: int) -> tuple:
+    if case[0].startswith("packed"):
+        return (*inputs(seq), packed_positions(seq))
     return (*inputs(seq), padding(seq)) if case[3] else inputs(seq)
+
+
+def build(case: Case) -> Any:
+    """``("packed" | "packed-written", ...)``: documents packed in rows; else an ``LM``."""
+    if case[0].startswith("packed"):
+        return PackedLM(written=case[0] == "packed-written")
+    return LM(case[0], case[1], case[2])
 
 
 def step(model: Any, case: Case, seq: int) -> dict[str, Any]:
@@ -26,14 +35,15 @@ def step(model: Any, case: Case, seq: int) -> dict[str, Any]:
 
 
 def reference(case: Case, seq: int) -> dict[str, Any]:
-    return step(LM(case[0], case[1], case[2]), case, seq)
+    return step(build(case), case, seq)
 
 
-def run(rank: int, world: int, cases: list[Case], backend: str, variant: str, seq: int) -> dict[Case, Any]:
+def run(rank: int, world: int, cases: list[Case], backend: str, variant: str, seq: int,
+        options: dict | None = None) -> dict[Case, Any]:
     results = {}
     for case in cases:
         torch._dynamo.reset()
-        compiled = autosp.compile(LM(case[0], case[1], case[2]), backend=backend, variant=variant)
+        compiled = autosp.compile(build(case), backend=backend, variant=variant, variant_options=options)
         with caches_off():
             results[case] = step(compiled, case, seq)
         reports = compiled.autosp_reports

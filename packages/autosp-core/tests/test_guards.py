@@ -257,14 +257,16 @@ def test_guarded_module_keeps_its_type_and_hooks():
 
 def test_non_divisible_symbolic_length_prints_the_number(monkeypatch):
     from autosp.compiler import make_context
-    from autosp.passes.core import find_attention
+    from autosp.passes.core import find_attention, lower
     from autosp.registry import get_registry
 
-    # A 2-rank context without a process group: find_attention needs the world size, not peers.
+    # A 2-rank context without a process group: settling the length needs the world size, not peers.
     monkeypatch.setattr("autosp.compiler.dist.get_rank", lambda group=None: 0)
 
     def backend(gm, example_inputs):
-        find_attention(gm, make_context(gm, example_inputs, SPOptions(), get_registry(), None, 2))
+        ctx = make_context(gm, example_inputs, SPOptions(), get_registry(), None, 2)
+        find_attention(gm, ctx)
+        lower(gm, ctx)
         return gm.forward
 
     torch._dynamo.reset()

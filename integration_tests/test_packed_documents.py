@@ -1,0 +1,53 @@
+"""Documents packed into rows, the model building a block-diagonal causal mask from restarting positions.
+
+The most common long-context training setup: exact against single-device eager under Ulysses
+(the mask reaches SDPA whole), ring (each block tiles it; tiles no document covers are skipped)
+and hybrid, at P = 2 and 4, whether the model calls SDPA with the mask or writes attention out.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from attention_models import doc_mask, packed_positions
+from attention_workers import reference, run
+from harness import run_spmd
+
+SEQ = 16
+SDPA_CASE = ("packed", "none", 4, False)
+WRITTEN_CASE = ("packed-written", "none", 4, False)
+
+
+def check(world: int, variant: str, cases: list[tuple], options: dict | None = None) -> list[dict]:
+    refs = {case: reference(case, SEQ) for case in cases}
+    per_rank = run_spmd(run, world, cases, "aot_eager", variant, SEQ, options)
+    for rank, results in enumerate(per_rank):
+        for case in cases:
+            got, ref = results[case], refs[case]
+            where = f"{case[0]} {variant} P={world} rank {rank}"
+            torch.testing.assert_close(got["loss"], ref["loss"], rtol=1e-5, atol=1e-6, msg=f"{where}: loss")
+            assert got["grads"].keys() == ref["grads"].keys(), where
+            for name, g in ref["grads"].items():
+                torch.testing.assert_close(got["grads"][name], g, rtol=1e-4, atol=1e-6, msg=f"{where}: grad {name}")
+            assert got["sites"] == 2, f"{where}: {got['sites']} attention sites"
+    return per_rank
+
+
+def test_documents_cross_rank_boundaries():
+    # The fixture is only worth its name if documents straddle the chunks of 2 and 4 ranks.
+    pos = packed_positions(SEQ)
+    starts = {i for i in range(SEQ) if pos[0, i] == 0}
+    assert any(c not in starts for c in (SEQ // 2, SEQ // 4, 3 * SEQ // 4))
+    mask = doc_mask(pos)
+    assert mask.shape == (2, 1, SEQ, SEQ) and not mask[0, 0, 5, 4] and mask[0, 0, 4, 0]
+
+
+def test_two_ranks():
+    check(2, "ulysses", [SDPA_CASE, WRITTEN_CASE])
+    check(2, "ring", [SDPA_CASE, WRITTEN_CASE])
+
+
+@pytest.mark.parametrize(("variant", "options"), [("ulysses", None), ("ring", None),
+                                                  ("hybrid", {"ulysses_degree": 2})])
+def test_four_ranks(variant, options):
+    check(4, variant, [SDPA_CASE], options)
