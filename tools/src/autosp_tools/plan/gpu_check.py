@@ -17,6 +17,7 @@ Stages, each in its own try/except so one failure keeps the others' results:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -130,9 +131,9 @@ def equivalence(device: str, quick: bool) -> dict[str, Any]:
 
 def sac_kernels(device: str, quick: bool) -> dict[str, Any]:
     """Per SDPA kernel: saved bytes with SAC on and off, and attention forwards found in the backward."""
-    import autosp
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    import autosp
     from autosp_tools.bench.measure import SavedBytes
     from autosp_tools.plan.measure import shipped_model
 
@@ -247,7 +248,7 @@ def _handwritten_rank(cfg: dict[str, Any], rank: int, world: int) -> dict[str, A
     device = torch.device(cfg["device"], 0) if cfg["device"] == "cuda" else torch.device("cpu")
     torch.manual_seed(0)
     lm = build_model(cfg["model"]).to(device=device, dtype=DTYPES[cfg["dtype"]])
-    model = UlyssesLM(lm, dist.group.WORLD)
+    model = UlyssesLM(lm, dist.group.WORLD)  # type: ignore[arg-type]  # the built-in impl is a LlamaLM
     fn = torch.compile(model, backend=cfg["backend"])
     ids = torch.randint(0, cfg["model"].vocab, (1, cfg["seq"]), generator=torch.Generator().manual_seed(1)).to(device)
     ids_l, targets, pos = shard_inputs(ids, ids, rank, world)
@@ -256,7 +257,8 @@ def _handwritten_rank(cfg: dict[str, Any], rank: int, world: int) -> dict[str, A
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
-        loss, _ = global_loss(*fn(ids_l, targets, pos), dist.group.WORLD)
+        loss_sum, count = fn(ids_l, targets, pos)
+        loss, _ = global_loss(loss_sum, count, dist.group.WORLD)
         loss.backward()
         all_reduce_grads(model, dist.group.WORLD)
         if device.type == "cuda":
@@ -284,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
               "step_time": step_time}
     for name in args.stages.split(","):
         if name in stages:
-            check.stage(name, lambda fn=stages[name]: fn(args.device, args.quick))
+            check.stage(name, functools.partial(stages[name], args.device, args.quick))
     check.data["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     check.write()
     failed = [k for k, v in check.data["stages"].items() if not v["ok"]]

@@ -114,6 +114,11 @@ def collective_kind(node: fx.Node) -> str | None:
     return None
 
 
+# Bytes an AutoSP collective holds while it runs besides its output, in outputs (its send and receive
+# buffers: see autosp.sharding.collectives).
+_STAGED = {op: 2 for op in COLLECTIVE_OPS if op._opname in ("all_to_all", "all_gather")}
+
+
 @dataclass
 class Timeline:
     """Allocation (+) and free (-) events of one graph, as indices into an expression table."""
@@ -273,6 +278,10 @@ def _timeline(gm: fx.GraphModule, table: ExprTable, counted: Callable[[fx.Node],
                 t.events.append((1, owned[node], False))
         elif node.op == "call_function" and base[node] is node and not isinstance(node.meta.get("val"), (tuple, list)):
             # A multi-output op's tensors are allocated by its getitems: outputs nobody reads are not counted.
+            if node.target in _STAGED:
+                # AutoSP's collectives stage through a send and a receive buffer of the output's size.
+                staging = table.add(_STAGED[node.target] * tensor_bytes(node.meta.get("val")))
+                t.events += [(1, staging, False), (-1, staging, False)]
             owned[node] = table.add(tensor_bytes(node.meta.get("val")))
             # The backward's outputs are the gradients: they stay to the end of the step.
             t.events.append((1, owned[node], grads and node in outputs))
