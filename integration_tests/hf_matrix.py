@@ -183,14 +183,18 @@ def _step(model: Any, inputs: dict[str, torch.Tensor], mode: Mode) -> dict[str, 
     return result
 
 
-def run_row(rank: int, world: int, row: Row, backend: str = "aot_eager") -> dict[str, Any]:
-    """Pool task: the single-device eager step and the AutoSP step of ``row``, with what the reports say."""
+def run_row(rank: int, world: int, row: Row, backend: str = "aot_eager",
+            options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Pool task: the single-device eager step and the AutoSP step of ``row``, with what the reports say.
+
+    ``options`` go to ``autosp.compile`` as well (the tests break the engine on purpose through them).
+    """
     torch._dynamo.reset()
     model = build(row)
     inputs = batch(row)
     ref = _step(copy.deepcopy(model), inputs, row.mode)
     start = time.perf_counter()
-    compiled = autosp.compile(model, variant=row.variant, backend=backend)
+    compiled = autosp.compile(model, variant=row.variant, backend=backend, **(options or {}))
     with caches_off():
         got = _step(compiled, inputs, row.mode)
     reports = compiled.autosp_reports
@@ -261,10 +265,12 @@ def classify(row: Row, per_rank: list[Any], seconds: float) -> Outcome:
                    f"{kept}{gathers}", seconds)
 
 
-def check_row(pool: SPMDPool, row: Row, *, backend: str = "aot_eager", timeout_s: float = 300.0) -> Outcome:
+def check_row(pool: SPMDPool, row: Row, *, backend: str = "aot_eager", timeout_s: float = 300.0,
+              **options: Any) -> Outcome:
+    """Run ``row`` on every rank of ``pool`` and classify it; ``options`` go to ``autosp.compile``."""
     start = time.perf_counter()
     try:
-        per_rank = pool.run(run_row, row, backend, timeout_s=timeout_s)
+        per_rank = pool.run(run_row, row, backend, options, timeout_s=timeout_s)
     except PoolTimeout as e:
         return Outcome("bug", f"hang or crash: {e}", time.perf_counter() - start)
     return classify(row, per_rank, time.perf_counter() - start)

@@ -68,3 +68,9 @@ def test_row(pool: SPMDPool, row: Row) -> None:
         assert out.kind == "exact", f"{row.label()}: {out.cell()}"
     else:
         assert out.kind == "refused" and refusal in out.detail, f"{row.label()}: {out.cell()}"
+
+
+def test_a_missing_gradient_all_reduce_is_caught(pool: SPMDPool) -> None:
+    # Without the gradient all-reduce each rank holds only its tokens' share: the end-to-end check must see it.
+    out = check_row(pool, Row("BERT classifier", "ulysses"), timeout_s=600.0, disable_passes=("autosp.sync_grads",))
+    assert out.kind == "bug" and "differs from single-device eager: grad " in out.detail, out.cell()
