@@ -208,6 +208,7 @@ class Outcome:
     kind: Kind
     detail: str  # the refusal verbatim, the bug's error, or what the reports said for an exact row
     seconds: float
+    gathered: tuple[str, ...] = ()  # ops without a sharding rule, run on gathered inputs (exact, slower)
 
     def cell(self) -> str:
         text = self.detail.replace("|", "\\|").replace("\n", " ")
@@ -262,7 +263,7 @@ def classify(row: Row, per_rank: list[Any], seconds: float) -> Outcome:
     # A graph that shards nothing runs whole on every rank: exact, but not sequence-parallel; say so.
     sharded = sum(s is not None for s in first["sharded"])
     return Outcome("exact", f"{sharded} of {first['graphs']} graphs sharded, {first['sites']} attention sites"
-                   f"{kept}{gathers}", seconds)
+                   f"{kept}{gathers}", seconds, tuple(first["fallbacks"]))
 
 
 def check_row(pool: SPMDPool, row: Row, *, backend: str = "aot_eager", timeout_s: float = 300.0,
