@@ -22,7 +22,7 @@ class Report:
     sites: list[AttentionSite] = field(default_factory=list)
     inputs: list[str] = field(default_factory=list)
     passes: list[PassRecord] = field(default_factory=list)
-    collectives: Counter = field(default_factory=Counter)
+    collectives: Counter[str] = field(default_factory=Counter)
     fallbacks: list[str] = field(default_factory=list)
     sac: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)

@@ -48,6 +48,7 @@ def check(site: AttentionSite, world: int) -> None:
 
 def _tileable(site: AttentionSite) -> bool:
     """A mask ring can tile: its last two axes are the whole (query, key) sequence, the rest broadcast."""
+    assert site.mask_shape is not None  # only sites with a mask are asked
     shape = tuple(site.mask_shape)
     if len(shape) == 2:
         shape = (1, 1, *shape)

@@ -22,7 +22,14 @@ from torch import Tensor
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from autosp_ring.blocks import (
-    block_backward, block_kernel, block_mask, block_needed, merge, natural_lse, tile_mask, tile_needed,
+    block_backward,
+    block_kernel,
+    block_mask,
+    block_needed,
+    merge,
+    natural_lse,
+    tile_mask,
+    tile_needed,
 )
 
 # Blocks computed by this process: ("forward"|"backward", "computed"|"skipped") -> count. Lets
