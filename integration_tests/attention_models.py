@@ -1,7 +1,7 @@
 """Small language models whose attention is written out by hand, or split by graph breaks.
 
 Each family spells attention the way some well-known codebase does (nanoGPT, HF ``eager``,
-GPT-2, Gemma-2's soft-capping, ALiBi) or breaks the program the way real training code does
+GPT-2, Gemma-2's soft-capping, ALiBi, ``nn.MultiheadAttention``) or breaks the program the way real training code does
 (a ``print`` between layers, ``torch.utils.checkpoint`` around each layer).  The tests hold
 AutoSP to single-device eager on all of them.
 """
@@ -23,7 +23,7 @@ def _causal(t: int) -> torch.Tensor:
     return torch.tril(torch.ones(MAX_SEQ, MAX_SEQ, dtype=torch.bool))[:t, :t]
 
 
-def nano(q, k, v, m):
+def nano(q, k, v, m, h=None):
     """nanoGPT: a ``tril`` buffer sliced to the length, ``masked_fill`` with -inf."""
     t = q.shape[2]
     att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
@@ -31,7 +31,7 @@ def nano(q, k, v, m):
     return F.softmax(att, dim=-1) @ v
 
 
-def hf_eager(q, k, v, m):
+def hf_eager(q, k, v, m, h=None):
     """HF ``eager_attention_forward``: additive 4-D mask, softmax in fp32, dropout, GQA by repeat."""
     rep = q.shape[1] // k.shape[1]
     k = k[:, :, None].expand(k.shape[0], k.shape[1], rep, *k.shape[2:]).reshape(q.shape[0], -1, *k.shape[2:])
@@ -43,7 +43,7 @@ def hf_eager(q, k, v, m):
     return torch.matmul(probs, v)
 
 
-def gpt2(q, k, v, m):
+def gpt2(q, k, v, m, h=None):
     """GPT-2: divide by a 0-d tensor, ``torch.where`` with the dtype's minimum, then the padding mask."""
     t = q.shape[2]
     att = torch.matmul(q, k.transpose(-1, -2))
@@ -54,7 +54,7 @@ def gpt2(q, k, v, m):
     return torch.matmul(F.softmax(att, dim=-1).type(v.dtype), v)
 
 
-def alibi(q, k, v, m):
+def alibi(q, k, v, m, h=None):
     """ALiBi: a per-head linear distance bias built in the model, causal by -inf."""
     t = q.shape[2]
     pos = torch.arange(t, device=q.device)
@@ -65,7 +65,7 @@ def alibi(q, k, v, m):
     return att.softmax(-1) @ v
 
 
-def softcap(q, k, v, m):
+def softcap(q, k, v, m, h=None):
     """Gemma-2: scores soft-capped by ``tanh`` - no SDPA call computes this, so it stays written out."""
     t = q.shape[2]
     att = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
@@ -74,17 +74,32 @@ def softcap(q, k, v, m):
     return att.softmax(-1) @ v
 
 
-def sdpa(q, k, v, m):
+def sdpa(q, k, v, m, h=None):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
 
 
-def no_attention(q, k, v, m):
+def cross(q, k, v, m, h=None):
+    """Self-attention, then cross-attention to 6 learned latents (a memory of another length, Perceiver-style)."""
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    b, hd = q.shape[0], q.shape[-1]
+    mk, mv = m.kv(m.latents.expand(b, -1, -1)).view(b, -1, 2, HEADS, hd).unbind(2)
+    return y + F.scaled_dot_product_attention(q, mk.transpose(1, 2), mv.transpose(1, 2))
+
+
+def mha(q, k, v, m, h=None):
+    """``nn.MultiheadAttention`` on the block's input (its own projections): Dynamo keeps it one call."""
+    t = q.shape[2]
+    y, _ = m.mha(h, h, h, attn_mask=~_causal(t).to(h.device), need_weights=False)
+    return y.view(h.shape[0], t, HEADS, -1).transpose(1, 2)
+
+
+def no_attention(q, k, v, m, h=None):
     """No mixing along the sequence at all: a token-wise model."""
     return v
 
 
 ATTENTION: dict[str, Callable] = {"nano": nano, "hf_eager": hf_eager, "gpt2": gpt2, "alibi": alibi,
-                                  "softcap": softcap, "sdpa": sdpa, "none": no_attention}
+                                  "softcap": softcap, "sdpa": sdpa, "cross": cross, "mha": mha, "none": no_attention}
 
 
 class Block(nn.Module):
@@ -101,6 +116,8 @@ class Block(nn.Module):
         additive = torch.zeros(MAX_SEQ, MAX_SEQ).masked_fill(~_causal(MAX_SEQ), torch.finfo(torch.float32).min)
         self.register_buffer("additive_mask", additive.view(1, 1, MAX_SEQ, MAX_SEQ))
         self.padding: torch.Tensor | None = None
+        self.latents = nn.Parameter(torch.randn(1, 6, DIM) * 0.5) if attend is cross else None
+        self.mha = nn.MultiheadAttention(DIM, HEADS, batch_first=True) if attend is mha else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
@@ -112,7 +129,7 @@ class Block(nn.Module):
         if self.attend is not hf_eager and self.attend is not sdpa and self.kv_heads != HEADS:
             k = k.repeat_interleave(HEADS // self.kv_heads, dim=1)
             v = v.repeat_interleave(HEADS // self.kv_heads, dim=1)
-        y = self.attend(q, k, v, self).transpose(1, 2).reshape(b, t, DIM)
+        y = self.attend(q, k, v, self, h).transpose(1, 2).reshape(b, t, DIM)
         x = x + self.o(y)
         return x + self.mlp(self.norm2(x))
 

@@ -1,5 +1,6 @@
 """Attention written out by hand, graph breaks and checkpointed layers: exact against single-device eager.
 
+Cross-attention to a memory of another length keeps the memory whole and each rank's query rows local.
 Hand-written attention that SDPA computes exactly becomes one SDPA call (every variant rewrites
 it); what it cannot (soft-capping, heads a variant cannot split) stays as written and is still
 exact, k and v gathered.  A graph without attention shards by the length of the graph before it,
@@ -28,6 +29,8 @@ CASES = {
     ("sdpa", "before_head", 2, False): (2, "sharding inputs of sequence length"),
     ("hf_eager", "checkpoint", 2, False): (2, REWRITTEN),
     ("none", "none", 4, False): (0, "runs whole on every rank"),
+    ("cross", "none", 4, False): (4, "cross-attention"),
+    ("mha", "none", 4, False): (2, "nn.MultiheadAttention"),
 }
 
 
@@ -59,7 +62,7 @@ def test_two_ranks_ulysses():
 def test_two_ranks_ring():
     # Ring tiles the mask the model builds (nanoGPT's tril buffer, GPT-2's padding) block by block.
     expect = {("nano", "none", 4, False): (2, REWRITTEN), ("gpt2", "none", 4, True): (2, REWRITTEN),
-              ("sdpa", "between", 2, False): (2, None)}
+              ("sdpa", "between", 2, False): (2, None), ("cross", "none", 4, False): (4, "cross-attention")}
     check(2, "aot_eager", "ring", list(expect), expect=expect)
 
 
@@ -70,7 +73,8 @@ def test_three_ranks_heads_not_divisible():
 
 
 def test_four_ranks_ulysses():
-    check(4, "aot_eager", "ulysses", [("gpt2", "none", 4, True), ("sdpa", "before_head", 2, False)])
+    check(4, "aot_eager", "ulysses", [("gpt2", "none", 4, True), ("sdpa", "before_head", 2, False),
+                                      ("cross", "none", 4, False)])
 
 
 @pytest.mark.parametrize(("variant", "case"), [("ulysses", ("hf_eager", "checkpoint", 2, False)),

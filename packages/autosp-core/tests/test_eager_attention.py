@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from autosp.analysis.eager import find_eager_regions, region_site, rewrite_region
-from autosp.lowering import SDPA
+from autosp.lowering import SDPA, leaves_for_kernels
 
 B, H, S, D = 2, 4, 6, 8
 CAUSAL = torch.tril(torch.ones(S, S, dtype=torch.bool))
@@ -127,3 +127,22 @@ def test_matmul_on_other_layouts_is_not_attention():
         return (x.transpose(1, 2) @ y.transpose(1, 2).transpose(-2, -1)).softmax(-1).sum()
 
     assert find_eager_regions(_lowered(heads_mix)) == []
+
+
+def test_sdpa_kernels_become_the_leaf():
+    # What F.multi_head_attention_forward (kept whole by Dynamo) lowers to on CPU.
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+
+    def attention_out(q, k, v, mask):
+        return flash(q, k, v, 0.0, True)[0].transpose(1, 2).reshape(B, S, H * D)
+
+    def lse_used(q, k, v, mask):
+        out, lse = flash(q, k, v)
+        return out.sum() + lse.sum()
+
+    gm = _lowered(attention_out)
+    assert leaves_for_kernels(gm) == 1
+    gm = make_fx(gm, tracing_mode="fake")(*_inputs())
+    assert len(_ops(gm, SDPA.leaf)) == 1 and not _ops(gm, flash)
+    torch.testing.assert_close(gm(*_inputs()), attention_out(*_inputs()), rtol=1e-5, atol=1e-6)
+    assert leaves_for_kernels(_lowered(lse_used)) == 0

@@ -134,10 +134,11 @@ def test_spmd_heads_not_divisible(spmd_errors):
     assert "4 query heads, not divisible by sp_size=3" in msg and "variant='ring'" in msg
 
 
-def test_spmd_cross_attention_lengths_disagree(spmd_errors):
-    kind, msg = _on_every_rank(spmd_errors, "cross_attention")
+def test_spmd_self_attention_lengths_disagree(spmd_errors):
+    # (Cross-attention to a memory of another length is not this: it runs, see test_written_attention.)
+    kind, msg = _on_every_rank(spmd_errors, "two_lengths")
     assert _autosp_error(kind), kind
-    assert "attention sites disagree on the sequence length" in msg and "cross-attention" in msg
+    assert "attention sites disagree on the sequence length" in msg and "[6, 9]" in msg and "pad" in msg
 
 
 def test_spmd_dynamic_shapes_work_or_fail_clearly(spmd_errors):

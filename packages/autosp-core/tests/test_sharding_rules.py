@@ -518,6 +518,33 @@ case(aten.gather.default, "folded-[B*S,V]", args(lambda g: randn(g, B * S, D), 1
      shard(0, "zigzag", length=S), R, expect=(Shard,))
 case(aten.gather.default, "replicated", args(x3, 2, lambda g: ints(g, D, B, S, 1)), rs(1), R)
 
+# Attention that is no variant's site: queries' rows against a memory every rank holds whole (cross-attention).
+# The leaf has no backward of its own (the SP rewrite replaces it), so values only; test_written_attention's
+# cross-attention model checks the gradients end to end.
+SDPA_LEAF = torch.ops.autosp.sdpa.default
+NO_GRAD = {"requires_grad": (False, False, False, False)}
+
+
+def q4(g: torch.Generator) -> torch.Tensor:
+    return randn(g, B, 2, S, D)
+
+
+def mem(g: torch.Generator) -> torch.Tensor:
+    return randn(g, B, 2, 5, D)
+
+
+for lay in ALL_LAYOUTS:
+    case(SDPA_LEAF, f"cross-{lay}", args(q4, mem, mem), shard(2, lay), R, R, expect=(Shard,),
+         requires_grad=(False, False, False))
+    case(SDPA_LEAF, f"cross-row-mask-{lay}", args(q4, mem, mem, lambda g: randn(g, B, 1, S, 5)),
+         shard(2, lay), R, R, R, expect=(Shard,), **NO_GRAD)
+case(SDPA_LEAF, "cross-broadcast-mask", args(q4, mem, mem, lambda g: randn(g, 1, 1, 1, 5)), shard(2, "zigzag"),
+     R, R, R, expect=(Shard,), **NO_GRAD)
+case(SDPA_LEAF, "cross-causal-falls-back", args(q4, mem, mem, is_causal=True), shard(2), R, R,
+     requires_grad=(False, False, False))
+case(SDPA_LEAF, "self-kv-sharded-falls-back", args(q4, q4, q4), shard(2), shard(2), shard(2),
+     requires_grad=(False, False, False))
+
 
 def _case_seed(c: Case) -> int:
     return zlib.crc32(c.id.encode())

@@ -100,4 +100,65 @@ def lower_to_aten(gm: torch.fx.GraphModule, fake_inputs: Sequence[Any], fake_mod
         return make_fx(functionalize(run, remove="mutations"), pre_dispatch=False)(*fake_inputs)
 
 
-__all__ = ["SDPA", "insert_leaves", "lower_to_aten", "sdpa_args", "sdpa_leaf"]
+def _kernel_signatures() -> dict[Any, tuple[str, ...]]:
+    """SDPA's backend kernels and the names of their arguments (None: an argument SDPA has no use for).
+
+    Code that Dynamo keeps as one call (``F.multi_head_attention_forward``, inside
+    ``nn.MultiheadAttention`` and ``nn.TransformerEncoderLayer``) reaches the lowered graph as the
+    kernel SDPA dispatched to, not as SDPA.
+    """
+    aten = torch.ops.aten
+    table: dict[Any, tuple[str, ...]] = {
+        aten._scaled_dot_product_flash_attention_for_cpu.default:
+            ("query", "key", "value", "dropout_p", "is_causal", "attn_mask", "scale"),
+        aten._scaled_dot_product_attention_math.default:
+            ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", None, "scale", "enable_gqa"),
+        aten._scaled_dot_product_flash_attention.default:
+            ("query", "key", "value", "dropout_p", "is_causal", None, "scale"),
+        aten._scaled_dot_product_efficient_attention.default:
+            ("query", "key", "value", "attn_mask", None, "dropout_p", "is_causal", "scale"),
+        aten._scaled_dot_product_cudnn_attention.default:
+            ("query", "key", "value", "attn_mask", None, "dropout_p", "is_causal", None, "scale"),
+    }
+    return table
+
+
+def leaves_for_kernels(gm: torch.fx.GraphModule) -> int:
+    """Replace SDPA backend kernels whose only used output is the attention output by the leaf."""
+    import operator
+
+    table = _kernel_signatures()
+    count = 0
+    for node in list(gm.graph.nodes):
+        names = table.get(node.target) if node.op == "call_function" else None
+        if names is None:
+            continue
+        users = [u for u in node.users if not (u.target is operator.getitem and not u.users)]
+        if not users or any(u.target is not operator.getitem or u.args[1] != 0 for u in users):
+            continue  # the log-sum-exp or the weights are used: leave the kernel as it is
+        given = dict(zip(names, node.args))
+        given.update(node.kwargs)
+        given.pop(None, None)
+        if given.get("dropout_mask") is not None:
+            continue
+        kwargs = {k: given[k] for k in SDPA_SIGNATURE[3:] if given.get(k) is not None}
+        with gm.graph.inserting_before(node):
+            leaf = gm.graph.call_function(torch.ops.autosp.sdpa.default, (given["query"], given["key"],
+                                                                           given["value"]), kwargs)
+        leaf.meta.update(node.meta)
+        for u in list(node.users):
+            u.replace_all_uses_with(leaf)
+            gm.graph.erase_node(u)
+        gm.graph.erase_node(node)
+        count += 1
+    if count:
+        # The kernels return their output in their own strides, which the views after them rely on;
+        # the leaf's output is contiguous. In a functional graph a reshape computes what a view did.
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and node.target is torch.ops.aten.view.default:
+                node.target = torch.ops.aten.reshape.default
+        gm.recompile()
+    return count
+
+
+__all__ = ["SDPA", "insert_leaves", "leaves_for_kernels", "lower_to_aten", "sdpa_args", "sdpa_leaf"]

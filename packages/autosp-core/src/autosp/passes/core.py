@@ -8,7 +8,7 @@ from autosp.analysis.attention import find_attention_sites, hint
 from autosp.analysis.eager import EagerRegion, find_eager_regions, region_site, rewrite_region
 from autosp.context import CompileContext
 from autosp.errors import AutoSPError
-from autosp.lowering import SDPA, insert_leaves, lower_to_aten
+from autosp.lowering import SDPA, insert_leaves, leaves_for_kernels, lower_to_aten
 from autosp.passes.grad_sync import sync_grads
 from autosp.passes.manager import Pass, Stage
 from autosp.passes.tile_loss import TILE_LOSS
@@ -58,8 +58,13 @@ def _input_size(ctx: CompileContext, n: int | torch.SymInt) -> int | torch.SymIn
     return n
 
 
+def _is_cross(site) -> bool:
+    return _concrete(site.seq_len) != _concrete(site.kv_seq_len)
+
+
 def _site_lengths(sites: list) -> list[int | torch.SymInt]:
-    return [_concrete(s.seq_len) for s in sites] + [_concrete(s.kv_seq_len) for s in sites]
+    """The lengths that must agree: queries everywhere, keys of self-attention (a memory has its own)."""
+    return [_concrete(s.seq_len) for s in sites] + [_concrete(s.kv_seq_len) for s in sites if not _is_cross(s)]
 
 
 def _settle_sequence(ctx: CompileContext, lengths: list, written_out: list[EagerRegion]) -> None:
@@ -89,7 +94,8 @@ def _settle_sequence(ctx: CompileContext, lengths: list, written_out: list[Eager
     if any(n != seq for n in lengths):
         raise AutoSPError(
             f"attention sites disagree on the sequence length ({sorted({hint(n) for n in lengths})}); "
-            "AutoSP shards self-attention over one sequence; cross-attention with another length is not supported"
+            "AutoSP shards one sequence per graph: self-attention over sequences of different lengths in one "
+            "graph is not supported (split them into separate compiled calls, or pad them to one length)"
         )
     if seq % ctx.world:
         # A symbolic length prints as its symbol (s70): say this call's length, which the user knows.
@@ -136,13 +142,25 @@ def lower(gm: torch.fx.GraphModule, ctx: CompileContext) -> torch.fx.GraphModule
     if not ctx.sp:  # lowered for a test or a tool: one rank has nothing to settle
         ctx.sites = find_attention_sites(aten_gm, _specs(ctx))
         return aten_gm
+    kernels = leaves_for_kernels(aten_gm)
+    if kernels:
+        ctx.report.notes.append(f"{kernels} SDPA kernel call(s) from code Dynamo kept whole (nn.MultiheadAttention) "
+                                "taken as attention")
     changed, written_out = _take_written_out(aten_gm, ctx)
+    changed = changed or bool(kernels)
     if changed:
         # Once more, so that the new nodes carry meta values like every other.
         aten_gm = lower_to_aten(aten_gm, ctx.fake_inputs, ctx.fake_mode)
     # Sites again, now keyed by the lowered graph's node names.
     ctx.sites = find_attention_sites(aten_gm, _specs(ctx))
     ctx.report.sites = list(ctx.sites)
+    for site in [s for s in ctx.sites if _is_cross(s)]:
+        # Keys of another length than the queries: a memory, whole on every rank; each rank's query rows
+        # attend to it locally (the ``query_rows_attention`` rule), so no variant rewrites it.
+        ctx.sites.remove(site)
+        ctx.report.notes.append(
+            f"cross-attention {site.name}: queries of length {hint(site.seq_len)} sharded, keys and values of "
+            f"length {hint(site.kv_seq_len)} whole on every rank; each rank attends for its own rows")
     # Sites inside higher-order ops (checkpointed layers) and rewritten ones appear only after lowering.
     _settle_sequence(ctx, dynamo_lengths or _site_lengths(ctx.sites), written_out)
     return aten_gm

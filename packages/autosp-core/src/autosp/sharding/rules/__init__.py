@@ -6,7 +6,9 @@ sharded inputs are gathered first, which is always correct and reported as a
 fallback, so an op we do not know can cost memory but never change a result.
 """
 
-from autosp.sharding.rules import contraction, elementwise, position, reduction, shape  # noqa: F401 - register rules
+from autosp.sharding.rules import (  # noqa: F401 - register rules
+    attention_rows, contraction, elementwise, position, reduction, shape,
+)
 from autosp.sharding.rules.base import (
     RULES,
     all_replicated,

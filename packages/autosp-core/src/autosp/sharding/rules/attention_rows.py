@@ -1,0 +1,61 @@
+"""Attention that is not a variant's site: cross-attention to a memory every rank holds whole.
+
+Each query row attends to the keys on its own, so a rank with some query rows and the whole
+k and v computes exactly its rows of the output: no collective at all.  That covers
+cross-attention from a sharded sequence to a short memory (an encoder's output, learned
+latents, an image's tokens).  A causal flag ties rows to absolute positions, and k/v sharded
+along their own sequence would need a variant: both go to the always-right fallback.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from autosp.lowering import SDPA, sdpa_args
+from autosp.sharding.context import SPContext, SPValue
+from autosp.sharding.placement import Replicate, SeqAxis, Shard
+from autosp.sharding.redistribute import to_shard
+from autosp.sharding.rules.base import fallback, rule
+
+
+def _whole(x: Any) -> bool:
+    return not isinstance(x, SPValue) or isinstance(x.placement, Replicate)
+
+
+def _rows_of(ctx: SPContext, mask: Any, q: SPValue) -> Any:
+    """The mask's rows for this rank's queries; a mask broadcast over the rows stays whole."""
+    if mask is None:
+        return None
+    if not isinstance(mask, SPValue):
+        mask = SPValue(mask, Replicate(), mask)
+    row = mask.ndim - 2
+    if mask.gval.shape[row] == 1:
+        return mask.local if _whole(mask) else None
+    axis = q.placement.axis
+    target = Shard(SeqAxis(row, axis.length), q.placement.ranges)
+    return to_shard(ctx, mask, row, target)
+
+
+@rule(SDPA.leaf)
+def query_rows_attention(ctx: SPContext, node: torch.fx.Node, args: tuple, kwargs: dict) -> Any:
+    a = sdpa_args(args, kwargs)
+    q, k, v, mask = a["query"], a["key"], a["value"], a["attn_mask"]
+    rows = isinstance(q, SPValue) and isinstance(q.placement, Shard) and q.placement.axis.dim == 2
+    if not rows or q.placement.axis.inner != 1 or a["is_causal"] or not (_whole(k) and _whole(v)):
+        return fallback(ctx, node, args, kwargs)
+    local_mask = _rows_of(ctx, mask, q)
+    if mask is not None and local_mask is None:
+        return fallback(ctx, node, args, kwargs)
+    ctx.note("query_rows_attention")
+    # SDPA itself, not the leaf: the leaf only holds attention together while the graph is lowered.
+    out = F.scaled_dot_product_attention(
+        q.local, k.local if isinstance(k, SPValue) else k, v.local if isinstance(v, SPValue) else v,
+        attn_mask=local_mask, dropout_p=a["dropout_p"], is_causal=False, scale=a["scale"],
+        enable_gqa=a["enable_gqa"])
+    return SPValue(out, q.placement, node.meta["val"])
+
+
+__all__ = ["query_rows_attention"]
