@@ -13,6 +13,28 @@ from autosp.registry import BLOCK_ENV, get_registry
 # --- one process, no process group -------------------------------------------------------------------
 
 
+def test_vmap_in_the_graph_is_refused_before_lowering(monkeypatch):
+    # FlexAttention's create_block_mask puts torch.func.vmap in the graph; functionalization cannot trace it.
+    import torch
+
+    from autosp.compiler import make_context
+    from autosp.passes.core import find_attention
+
+    monkeypatch.setattr("autosp.compiler.dist.get_rank", lambda group=None: 0)
+
+    def backend(gm, example_inputs):
+        find_attention(gm, make_context(gm, example_inputs, SPOptions(), get_registry(), None, 2))
+        return gm.forward
+
+    def program(x):
+        return torch.func.vmap(lambda row: row.softmax(-1))(x).sum()
+
+    torch._dynamo.reset()
+    with pytest.raises(AutoSPError, match=r"torch.func.vmap .* not supported with sp_size > 1 .*sp_size=1"):
+        torch.compile(program, backend=backend, fullgraph=True)(torch.randn(2, 8))
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize(
     ("kwargs", "pattern"),
     [

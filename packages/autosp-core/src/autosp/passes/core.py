@@ -40,6 +40,7 @@ def find_attention(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
         except AutoSPError as e:
             ctx.report.notes.append(f"attention analysis skipped: {e}")
         return
+    _refuse_unsupported(gm)
     # Attention written out by hand is found after lowering (``autosp.lower``), where it is canonical.
     ctx.sites = find_attention_sites(gm, _specs(ctx))
     ctx.report.sites = list(ctx.sites)
@@ -65,6 +66,32 @@ def _is_cross(site) -> bool:
 def _site_lengths(sites: list) -> list[int | torch.SymInt]:
     """The lengths that must agree: queries everywhere, keys of self-attention (a memory has its own)."""
     return [_concrete(s.seq_len) for s in sites] + [_concrete(s.kv_seq_len) for s in sites if not _is_cross(s)]
+
+
+def _unsupported(node: torch.fx.Node) -> str | None:
+    """What AutoSP cannot lower under SP, named for the user, or None."""
+    if node.target is getattr(torch.ops.higher_order, "flex_attention", None):
+        return "FlexAttention (torch.nn.attention.flex_attention)"
+    if getattr(node.target, "__name__", "") == "_vmap_increment_nesting":
+        return "torch.func.vmap (FlexAttention's create_block_mask uses it)"
+    return None
+
+
+def _refuse_unsupported(gm: torch.fx.GraphModule) -> None:
+    """Refuse, before any lowering or collective, what the SP rewrite cannot trace."""
+    for module in gm.modules():
+        if not isinstance(module, torch.fx.GraphModule):
+            continue
+        for node in module.graph.nodes:
+            what = _unsupported(node) if node.op == "call_function" else None
+            if what is None:
+                continue
+            trace = [ln.strip() for ln in (node.meta.get("stack_trace") or "").splitlines() if ln.strip()]
+            where = next((ln for ln in reversed(trace) if ln.startswith("File")), "")
+            raise AutoSPError(
+                f"{what} is not supported with sp_size > 1 yet" + (f" ({where})" if where else "") + "; for "
+                "attention, call F.scaled_dot_product_attention with the boolean mask your mask_mod describes "
+                "(Ulysses and ring both take it, and ring skips the tiles it masks out), or compile with sp_size=1")
 
 
 def _settle_sequence(ctx: CompileContext, lengths: list, written_out: list[EagerRegion]) -> None:
