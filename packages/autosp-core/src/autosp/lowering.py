@@ -89,8 +89,8 @@ def insert_leaves(gm: torch.fx.GraphModule, specs: Sequence[AttentionSpec]) -> i
 def lower_to_aten(gm: torch.fx.GraphModule, fake_inputs: Sequence[Any], fake_mode: Any) -> torch.fx.GraphModule:
     """Trace ``gm`` into functional aten ops on fake inputs (meta ``val`` on every node)."""
     from torch._dispatch.python import enable_python_dispatcher
-    from torch.fx import traceback as fx_traceback
     from torch.func import functionalize
+    from torch.fx import traceback as fx_traceback
 
     def run(*args: Any) -> Any:
         # Node by node, so each aten node keeps the source line of the op it came from (for messages).
@@ -100,7 +100,7 @@ def lower_to_aten(gm: torch.fx.GraphModule, fake_inputs: Sequence[Any], fake_mod
         return make_fx(functionalize(run, remove="mutations"), pre_dispatch=False)(*fake_inputs)
 
 
-def _kernel_signatures() -> dict[Any, tuple[str, ...]]:
+def _kernel_signatures() -> dict[Any, tuple[str | None, ...]]:
     """SDPA's backend kernels and the names of their arguments (None: an argument SDPA has no use for).
 
     Code that Dynamo keeps as one call (``F.multi_head_attention_forward``, inside
@@ -108,7 +108,7 @@ def _kernel_signatures() -> dict[Any, tuple[str, ...]]:
     kernel SDPA dispatched to, not as SDPA.
     """
     aten = torch.ops.aten
-    table: dict[Any, tuple[str, ...]] = {
+    table: dict[Any, tuple[str | None, ...]] = {
         aten._scaled_dot_product_flash_attention_for_cpu.default:
             ("query", "key", "value", "dropout_p", "is_causal", "attn_mask", "scale"),
         aten._scaled_dot_product_attention_math.default:
@@ -136,9 +136,8 @@ def leaves_for_kernels(gm: torch.fx.GraphModule) -> int:
         users = [u for u in node.users if not (u.target is operator.getitem and not u.users)]
         if not users or any(u.target is not operator.getitem or u.args[1] != 0 for u in users):
             continue  # the log-sum-exp or the weights are used: leave the kernel as it is
-        given = dict(zip(names, node.args))
+        given = {name: arg for name, arg in zip(names, node.args) if name is not None}
         given.update(node.kwargs)
-        given.pop(None, None)
         if given.get("dropout_mask") is not None:
             continue
         kwargs = {k: given[k] for k in SDPA_SIGNATURE[3:] if given.get(k) is not None}

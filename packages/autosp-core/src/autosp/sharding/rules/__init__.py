@@ -7,7 +7,12 @@ fallback, so an op we do not know can cost memory but never change a result.
 """
 
 from autosp.sharding.rules import (  # noqa: F401 - register rules
-    attention_rows, contraction, elementwise, position, reduction, shape,
+    attention_rows,
+    contraction,
+    elementwise,
+    position,
+    reduction,
+    shape,
 )
 from autosp.sharding.rules.base import (
     RULES,

@@ -34,8 +34,9 @@ def _rows_of(ctx: SPContext, mask: Any, q: SPValue) -> Any:
     row = mask.ndim - 2
     if mask.gval.shape[row] == 1:
         return mask.local if _whole(mask) else None
-    axis = q.placement.axis
-    target = Shard(SeqAxis(row, axis.length), q.placement.ranges)
+    placement = q.placement
+    assert isinstance(placement, Shard)  # the rule checked it
+    target = Shard(SeqAxis(row, placement.axis.length), placement.ranges)
     return to_shard(ctx, mask, row, target)
 
 
