@@ -545,6 +545,15 @@ case(SDPA_LEAF, "cross-causal-falls-back", args(q4, mem, mem, is_causal=True), s
 case(SDPA_LEAF, "self-kv-sharded-falls-back", args(q4, q4, q4), shard(2), shard(2), shard(2),
      requires_grad=(False, False, False))
 
+# An MoE router's top-k over experts: token-wise; over the sequence it gathers.
+for lay in ("even", "zigzag", "first_empty"):
+    case(aten.topk.default, f"experts-{lay}", args(x3, 2, -1), shard(1, lay), expect=(Shard, Shard))
+    case(aten.sort.default, f"experts-{lay}", args(x3, -1), shard(1, lay), expect=(Shard, Shard))
+case(aten.topk.default, "folded-[B*S,E]", args(lambda g: randn(g, B * S, D), 3, 1), shard(0, "zigzag", length=S),
+     expect=(Shard, Shard))
+case(aten.topk.default, "over-seq-falls-back", args(x3, 3, 1), shard(1, "zigzag"))
+case(aten.sort.default, "over-seq-falls-back", args(x3, 1), shard(1))
+
 
 def _case_seed(c: Case) -> int:
     return zlib.crc32(c.id.encode())

@@ -107,7 +107,20 @@ def _norm_dims(args: tuple, kwargs: dict, ndim: int) -> list[int]:
     return list(range(ndim - len(args[1]), ndim))
 
 
+def _topk_dims(args: tuple, kwargs: dict, ndim: int) -> list[int]:
+    dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
+    return [normalize_dim(dim, ndim)]
+
+
+def _sort_dims(args: tuple, kwargs: dict, ndim: int) -> list[int]:
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", -1)
+    return [normalize_dim(dim, ndim)]
+
+
 RULES[aten._softmax.default] = _rowwise(_softmax_dims)
+# Per-token choices (an MoE router's top-k experts): along any axis but the sequence, token-wise.
+RULES[aten.topk.default] = _rowwise(_topk_dims)
+RULES[aten.sort.default] = _rowwise(_sort_dims)
 RULES[aten._log_softmax.default] = _rowwise(_softmax_dims)
 RULES[aten.native_layer_norm.default] = _rowwise(_norm_dims)
 if hasattr(aten, "_fused_rms_norm"):
