@@ -262,9 +262,17 @@ def _timeline(gm: fx.GraphModule, table: ExprTable, counted: Callable[[fx.Node],
     base = _bases(gm)
     outputs = {base[o] for o in gm.graph.output_node().all_input_nodes}
     last: dict[fx.Node, int] = {}
+    index = {n: i for i, n in enumerate(nodes)}
     for i, node in enumerate(nodes):
         for arg in node.all_input_nodes:
-            last[base[arg]] = i
+            last[base[arg]] = max(last.get(base[arg], -1), i)
+        if _is_functional_collective(node):
+            # An in-flight functional collective holds its input until its wait (AutoSP waits for the
+            # gradient buckets' all-reduces only at the end of the backward).
+            waits = [index[u] for u in node.users if "wait_tensor" in str(u.target)]
+            for arg in node.all_input_nodes:
+                if waits:
+                    last[base[arg]] = max(last.get(base[arg], -1), *waits)
     frees: dict[int, list[fx.Node]] = defaultdict(list)
     for b, i in last.items():
         if b not in outputs:
@@ -291,6 +299,11 @@ def _timeline(gm: fx.GraphModule, table: ExprTable, counted: Callable[[fx.Node],
             if b in owned:
                 t.events.append((-1, owned[b], False))
     return t
+
+
+def _is_functional_collective(node: fx.Node) -> bool:
+    name = str(node.target)
+    return node.op == "call_function" and name.startswith("_c10d_functional.") and "wait_tensor" not in name
 
 
 def _seq_symbol(gm: fx.GraphModule) -> sympy.Symbol | None:
@@ -342,6 +355,11 @@ def graph_stats(forward: fx.GraphModule, backward: fx.GraphModule, num_user_outp
     table = ExprTable(_seq_symbol(forward))
     fwd_placeholders = [n for n in forward.graph.nodes if n.op == "placeholder"]
     params = {fwd_placeholders[i] for i in param_inputs if i < len(fwd_placeholders)}
+    if table.symbol is not None:
+        # AOT may add or drop size placeholders, shifting positions: with the length symbolic, a floating
+        # input whose size does not depend on it is a parameter or buffer (sequence inputs always do).
+        params |= {n for n in fwd_placeholders if isinstance(n.meta.get("val"), torch.Tensor)
+                   and n.meta["val"].is_floating_point() and not tensor_bytes(n.meta["val"]).free_symbols}
     fwd_t = _timeline(forward, table, lambda n: False, {})
     fwd_base = _bases(forward)
     outs = forward.graph.output_node().args[0]
