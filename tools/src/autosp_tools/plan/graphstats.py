@@ -262,17 +262,9 @@ def _timeline(gm: fx.GraphModule, table: ExprTable, counted: Callable[[fx.Node],
     base = _bases(gm)
     outputs = {base[o] for o in gm.graph.output_node().all_input_nodes}
     last: dict[fx.Node, int] = {}
-    index = {n: i for i, n in enumerate(nodes)}
     for i, node in enumerate(nodes):
         for arg in node.all_input_nodes:
             last[base[arg]] = max(last.get(base[arg], -1), i)
-        if _is_functional_collective(node):
-            # An in-flight functional collective holds its input until its wait (AutoSP waits for the
-            # gradient buckets' all-reduces only at the end of the backward).
-            waits = [index[u] for u in node.users if "wait_tensor" in str(u.target)]
-            for arg in node.all_input_nodes:
-                if waits:
-                    last[base[arg]] = max(last.get(base[arg], -1), *waits)
     frees: dict[int, list[fx.Node]] = defaultdict(list)
     for b, i in last.items():
         if b not in outputs:
@@ -299,11 +291,6 @@ def _timeline(gm: fx.GraphModule, table: ExprTable, counted: Callable[[fx.Node],
             if b in owned:
                 t.events.append((-1, owned[b], False))
     return t
-
-
-def _is_functional_collective(node: fx.Node) -> bool:
-    name = str(node.target)
-    return node.op == "call_function" and name.startswith("_c10d_functional.") and "wait_tensor" not in name
 
 
 def _seq_symbol(gm: fx.GraphModule) -> sympy.Symbol | None:
