@@ -84,7 +84,7 @@ def plan(
     device = resolve_device(hardware, memory_gb)
     source = model if isinstance(model, ModelSource) else (
         resolve_model(model) if isinstance(model, str) else factory_source(getattr(model, "__name__", "model"), model, layers))
-    modes = list(modes) if modes is not None else default_modes(sp, source.heads)
+    modes = list(modes) if modes is not None else default_modes(sp, source.heads, hardware)
     hint = seq if seq is not None else 4096 * sp
     models, params, counts, compile_s = timed_models(source, modes, sp=sp, dtype=torch_dtype, batch=batch,
                                                     seq_hint=hint, spec=model if isinstance(model, str) else None)

@@ -45,6 +45,7 @@ class Mode:
     sac: bool | str = False
     backend: str = "inductor"
     variant_options: tuple[tuple[str, Any], ...] = ()
+    hardware: str | None = None  # the profile core's cost models read (variant="auto")
 
     @property
     def handwritten(self) -> bool:
@@ -81,9 +82,10 @@ def _copy(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def _options(mode: Mode, sp: int) -> SPOptions:
+    extra = {"hardware": mode.hardware} if mode.hardware is not None else {}
     return SPOptions(
         sp_size=sp if sp > 1 else None, variant=mode.variant, sac=mode.sac,
-        backend="aot_eager", variant_options=dict(mode.variant_options), check_inputs="off",
+        backend="aot_eager", variant_options=dict(mode.variant_options), check_inputs="off", **extra,
     )
 
 

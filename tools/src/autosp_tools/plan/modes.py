@@ -17,7 +17,15 @@ def hybrid_degree(sp: int, heads: int) -> int | None:
     return None
 
 
-def default_modes(sp: int, heads: int) -> list[Mode]:
+def _has_auto_variant() -> bool:
+    try:
+        get_registry().variant("auto")
+    except Exception:  # noqa: BLE001 - an autosp-core without variant="auto"
+        return False
+    return True
+
+
+def default_modes(sp: int, heads: int, hardware: str | None = None) -> list[Mode]:
     """SAC off and on (auto derived from them), each installed variant, and hand-written Ulysses."""
     if sp == 1:
         return [
@@ -32,15 +40,16 @@ def default_modes(sp: int, heads: int) -> list[Mode]:
     u = hybrid_degree(sp, heads)
     if "hybrid" in variants and u is not None:
         modes.append(Mode(f"hybrid u={u}, SAC on", "hybrid", True, variant_options=(("ulysses_degree", u),)))
-    if "auto" in variants:
-        modes.append(Mode("auto variant, SAC auto", "auto", "auto"))
+    if _has_auto_variant():
+        # The variant is chosen at compile time by core's cost model on the plan's hardware profile.
+        modes.append(Mode("auto variant, SAC on", "auto", True, hardware=hardware))
     modes.append(Mode("hand-written Ulysses", "ulysses", False, backend="aot_eager"))
     return modes
 
 
 def seq_unit(mode: Mode, sp: int) -> int:
     """Lengths a mode accepts are multiples of this (ring and hybrid cut the sequence in 2P zigzag chunks)."""
-    return 2 * sp if mode.variant in ("ring", "hybrid") and sp > 1 else sp
+    return 2 * sp if mode.variant in ("ring", "hybrid", "auto") and sp > 1 else sp
 
 
 __all__ = ["SAC_AUTO", "default_modes", "hybrid_degree", "seq_unit"]
