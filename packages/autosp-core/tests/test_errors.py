@@ -42,6 +42,7 @@ def test_vmap_in_the_graph_is_refused_before_lowering(monkeypatch):
         ({"sac": "sometimes"}, r"sac='sometimes'; use 'auto', True or False"),
         ({"sp_size": 0}, r"sp_size=0; it must be a positive int or None"),
         ({"sp_size": "2"}, r"sp_size='2'; it must be a positive int"),
+        ({"outputs": "dtensor"}, r"outputs='dtensor'; use 'whole' \(the default\) or 'sharded' \(DTensors\)"),
     ],
 )
 def test_bad_options(kwargs, pattern):

@@ -48,6 +48,7 @@ class VerifyOptions(TorchCompileOptions, total=False):
     hardware: HardwareOption
     tile_loss: bool | int
     memory_budget: int | float | None
+    outputs: Literal["whole", "sharded"]
 
 
 class CompileOptions(VerifyOptions, total=False):
@@ -129,6 +130,7 @@ def backend(
     hardware: HardwareOption = None,
     tile_loss: bool | int = True,
     memory_budget: int | float | None = None,
+    outputs: Literal["whole", "sharded"] = "whole",
     **variant_options: Any,
 ) -> AutoSPBackend:
     """A Dynamo backend for ``torch.compile(model, backend=autosp.backend(...))``.
@@ -149,12 +151,14 @@ def backend(
         tile_loss: LM head + cross entropy in token chunks: True (where it saves memory), False,
             or the rows of one chunk (see ``SPOptions``).
         memory_budget: bytes, or a fraction of the device's memory, that ``sac="auto"`` fits into.
+        outputs: "whole" (default) or "sharded": sequence-sharded outputs as DTensors (see ``SPOptions``).
         **variant_options: passed to the variant (for example ``ring_degree``).
     """
     options = SPOptions(
         sp_size=sp_size, variant=variant, sac=sac, group=group, backend=backend,
         disable_passes=tuple(disable_passes), grad_bucket_mb=grad_bucket_mb, variant_options=variant_options,
         check_inputs=check_inputs, timeout=timeout, tile_loss=tile_loss, memory_budget=memory_budget, hardware=hardware,
+        outputs=outputs,
     )
     return AutoSPBackend(options)
 
@@ -178,6 +182,7 @@ def compile(  # noqa: A001 - mirrors torch.compile
     hardware: HardwareOption = None,
     tile_loss: bool | int = True,
     memory_budget: int | float | None = None,
+    outputs: Literal["whole", "sharded"] = "whole",
     **torch_compile_kwargs: Unpack[TorchCompileOptions],
 ) -> SPProgram:
     """Compile ``model`` into a sequence-parallel program.
@@ -196,7 +201,8 @@ def compile(  # noqa: A001 - mirrors torch.compile
     be = _make_backend(
         sp_size=sp_size, variant=variant, sac=sac, group=group, backend=backend,
         disable_passes=disable_passes, grad_bucket_mb=grad_bucket_mb, check_inputs=check_inputs,
-        timeout=timeout, tile_loss=tile_loss, memory_budget=memory_budget, hardware=hardware, **(variant_options or {}),
+        timeout=timeout, tile_loss=tile_loss, memory_budget=memory_budget, hardware=hardware, outputs=outputs,
+        **(variant_options or {}),
     )
     if be.world > 1:
         # Static by default: each new length compiles once. The symbolic path refuses some models

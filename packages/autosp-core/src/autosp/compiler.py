@@ -24,6 +24,7 @@ from autosp.options import SPOptions
 from autosp.passes.manager import PassManager, Stage
 from autosp.registry import Registry
 from autosp.report import Report
+from autosp.sharded_outputs import refuse_dtensor_inputs, wrap_outputs
 
 _graph_ids = itertools.count()
 
@@ -111,7 +112,7 @@ class _Partitioner:
         # The group's name is baked into the collectives, so a graph cached for another group must not match.
         group = ctx.group_name if ctx.sp else None
         digest.update(repr((opts.sac, opts.variant, sorted(opts.variant_options.items()), opts.grad_bucket_mb,
-                            ctx.world, ctx.rank, group, repr(ctx.hardware), opts.memory_budget,
+                            ctx.world, ctx.rank, group, repr(ctx.hardware), opts.memory_budget, opts.outputs, opts.tile_loss,
                             [p.name for p in self.manager.passes])).encode())
         return "autosp-" + digest.hexdigest()
 
@@ -150,6 +151,8 @@ def compile_graph(
     gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: SPOptions, registry: Registry,
     group: Any, world: int, reports: list[Report] | None = None,
 ) -> Callable[..., Any]:
+    if world > 1:
+        refuse_dtensor_inputs(example_inputs)
     ctx = make_context(gm, example_inputs, options, registry, group, world)
     # Graphs of one program compile in the order they first run: a piece after a graph break
     # learns the sequence length from the piece with attention before it.
@@ -168,10 +171,11 @@ def compile_graph(
             g = manager.run(Stage.BACKWARD if kw.get("is_backward") else Stage.FORWARD, g, ctx)
             return compile_fx_inner(g, ex, **kw)
 
-        return compile_fx(
+        compiled = compile_fx(
             gm, list(example_inputs), inner_compile=inner,
             config_patches={"custom_partitioner_fn": InductorPartitioner(partition)},
         )
+        return wrap_outputs(compiled, ctx.output_shards, group)
 
     from torch._functorch.aot_autograd import make_boxed_func
 
@@ -181,10 +185,11 @@ def compile_graph(
 
         return compile_stage
 
-    return aot_module_simplified(
+    compiled = aot_module_simplified(
         gm, list(example_inputs), fw_compiler=stage_compiler(Stage.FORWARD),
         bw_compiler=stage_compiler(Stage.BACKWARD), partition_fn=partition,
     )
+    return wrap_outputs(compiled, ctx.output_shards, group)
 
 
 __all__ = ["compile_graph", "make_context"]

@@ -59,6 +59,7 @@ class CompileContext:
     min_cut: bool = False
     seq_len: int | torch.SymInt | None = None
     known_seq_len: int | None = None
+    output_shards: list[tuple[int, Any] | None] = field(default_factory=list)  # outputs="sharded": per output
     num_fwd_outputs: int | None = None
     variant_state: Any = None
     _plugin_state: dict[type, Any] = field(default_factory=dict)

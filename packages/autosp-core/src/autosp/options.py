@@ -47,6 +47,10 @@ class SPOptions:
         hardware: the profile cost models use (SAC's, ``variant="auto"``'s): a name ("h100-80gb",
             "mi300x", "cpu"), a JSON file from ``autosp-profile``, a ``HardwareProfile``, or ``None``
             to detect the device. The report says which profile was used and where it came from.
+        outputs: "whole" (the contract: every output whole on every rank) or "sharded": outputs
+            sharded along the sequence come back as DTensors (``Shard`` on the sequence over the SP
+            group's mesh), so a large one (an LM's logits) is gathered only when ``.full_tensor()``
+            asks for it.
     """
 
     sp_size: int | None = None
@@ -62,6 +66,7 @@ class SPOptions:
     tile_loss: bool | int = True
     memory_budget: int | float | None = None
     hardware: HardwareOption = None
+    outputs: Literal["whole", "sharded"] = "whole"
 
     def __post_init__(self) -> None:
         aliases: dict[object, str] = {False: "off", True: "shapes"}
@@ -93,6 +98,8 @@ class SPOptions:
                 f"memory_budget={budget!r}; give bytes (an int, e.g. 40 * 2**30) or a fraction of the device's "
                 "memory (a float in (0, 1]), or None"
             )
+        if self.outputs not in ("whole", "sharded"):
+            raise ConfigError(f"outputs={self.outputs!r}; use 'whole' (the default) or 'sharded' (DTensors)")
         if self.backend not in BACKENDS:
             raise ConfigError(f"backend={self.backend!r} is not one of {BACKENDS}")
         if self.sac not in (True, False, "auto"):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from autosp.analysis.attention import find_attention_sites, hint
@@ -207,6 +209,7 @@ def shard(gm: torch.fx.GraphModule, ctx: CompileContext) -> torch.fx.GraphModule
         layout_fn=ctx.variant.layout,
         rules=ctx.registry.sharding_rules,
         variant_state=ctx.variant_state,
+        sharded_outputs=ctx.options.outputs == "sharded",
     )
     try:
         out = shard_graph(gm, sp, ctx.fake_inputs, ctx.is_param, ctx.fake_mode)
@@ -225,7 +228,28 @@ def shard(gm: torch.fx.GraphModule, ctx: CompileContext) -> torch.fx.GraphModule
     ctx.report.collectives["shard_start"] += sp.counts["shard_start"]
     ctx.report.fallbacks.extend(sp.fallbacks)
     ctx.report.outputs = list(sp.outputs)
+    ctx.output_shards = list(sp.output_shards)
+    _warn_large_outputs(out, ctx)
     return out
+
+
+LARGE_OUTPUT_BYTES = 256 * 2**20
+
+
+def _warn_large_outputs(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
+    """Say when outputs gathered whole are large: at long context an LM's logits dwarf the rest."""
+    outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    gathered = 0
+    for node, shard in zip(torch.utils._pytree.tree_leaves(outputs), ctx.output_shards):
+        val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+        if shard is None and isinstance(val, torch.Tensor) and ctx.seq_len is not None:
+            sizes = [hint(d) for d in val.shape]
+            if hint(ctx.seq_len) in sizes:
+                gathered += math.prod(sizes) * val.element_size()
+    if gathered >= LARGE_OUTPUT_BYTES:
+        ctx.report.notes.append(
+            f"outputs gathered whole on every rank: {gathered / 2**20:.0f} MiB per rank (an LM's logits?); return "
+            "only the loss, or compile with outputs='sharded' to get them as DTensors gathered on demand")
 
 
 def eliminate_dead_code(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:

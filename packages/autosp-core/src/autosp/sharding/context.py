@@ -62,6 +62,8 @@ class SPContext:
     counts: Counter = field(default_factory=Counter)
     fallbacks: list[str] = field(default_factory=list)
     outputs: list[str] = field(default_factory=list)  # how each tensor output leaves the graph
+    sharded_outputs: bool = False  # outputs="sharded": sequence-sharded outputs leave as this rank's piece
+    output_shards: list[tuple[int, Any] | None] = field(default_factory=list)  # per output: (dim, length)
     variant_options: dict[str, Any] = field(default_factory=dict)
     layout_fn: Callable[[IntLike, int, dict[str, Any]], Layout | None] | None = None
     rules: Mapping[Any, Callable[..., Any]] = field(default_factory=_core_rules)

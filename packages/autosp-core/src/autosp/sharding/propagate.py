@@ -20,8 +20,8 @@ from torch.utils import _pytree as pytree
 from autosp.sharding import collectives as C
 from autosp.sharding.context import SPContext, SPValue
 from autosp.sharding.dims import guess_seq_dim
-from autosp.sharding.placement import HeadShard, Partial, Replicate, SeqAxis
-from autosp.sharding.redistribute import gather, to_replicate
+from autosp.sharding.placement import HeadShard, Partial, Replicate, SeqAxis, Shard
+from autosp.sharding.redistribute import gather, to_replicate, to_shard
 from autosp.sharding.rules import all_replicated, elementwise_rule, fallback, is_elementwise, replicated, values
 from autosp.sharding.rules.base import Rule, accepted
 
@@ -77,8 +77,17 @@ def evaluate(ctx: SPContext, node: torch.fx.Node, args: tuple, kwargs: dict) -> 
 def finish(ctx: SPContext, v: Any) -> Any:
     """Whole outputs on every rank, with backward formulas for a gradient that arrives whole."""
     if not isinstance(v, SPValue):
+        ctx.output_shards.append(None)
         return v
     shape = [int(n) if isinstance(n, int) else str(n) for n in v.gval.shape]
+    p = v.placement
+    if ctx.sharded_outputs and isinstance(p, Shard) and p.axis.inner == 1:
+        # Even, contiguous pieces in rank order: what a DTensor ``Shard(dim)`` holds.
+        dim, length = p.axis.dim, p.axis.length
+        ctx.output_shards.append((dim, length))
+        ctx.outputs.append(f"{shape} shard -> returned as this rank's piece (outputs='sharded')")
+        return to_shard(ctx, v, dim, Shard(SeqAxis(dim, length), ctx.even_ranges(length)))
+    ctx.output_shards.append(None)
     ctx.outputs.append(f"{shape} {type(v.placement).__name__.lower()}" + (
         " -> gathered whole" if not isinstance(v.placement, Replicate) else ""))
     if isinstance(v.placement, Replicate):
@@ -100,6 +109,8 @@ def shard_graph(
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
 
     def run(*inputs: Any) -> Any:
+        ctx.outputs.clear()
+        ctx.output_shards.clear()
         env: dict[torch.fx.Node, Any] = {}
         for node, x, param in zip(placeholders, inputs, is_param):
             env[node] = _input_value(node, x, ctx, param)

@@ -1,0 +1,80 @@
+"""Spawned workers for test_sharded_outputs: a model returning (loss, logits), outputs='sharded'."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from cases import caches_off
+
+import autosp
+
+VOCAB, DIM, SEQ = 48, 32, 16
+
+
+class LogitsLM(nn.Module):
+    """An HF-style causal LM: returns the loss and the logits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.qkv = nn.Linear(DIM, 3 * DIM)
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.emb(ids)
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, 4, DIM // 4).permute(2, 0, 3, 1, 4)
+        x = x + F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, DIM)
+        logits = self.head(x)
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+        return loss, logits
+
+
+def _ids() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+
+
+def _objective(loss: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    # The logits' own gradient path: a z-loss-like term computed from the whole logits.
+    return loss + 1e-2 * logits.float().logsumexp(-1).pow(2).mean()
+
+
+def reference() -> dict[str, Any]:
+    model = LogitsLM()
+    loss, logits = model(_ids())
+    _objective(loss, logits).backward()
+    return {"loss": loss.detach(), "logits": logits.detach(),
+            "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
+
+
+def run(rank: int, world: int, variant: str, backend: str) -> dict[str, Any]:
+    from torch.distributed.tensor import DTensor
+
+    torch._dynamo.reset()
+    model = LogitsLM()
+    compiled = autosp.compile(model, backend=backend, variant=variant, outputs="sharded")
+    with caches_off():
+        loss, logits = compiled(_ids())
+        is_dtensor = isinstance(logits, DTensor)
+        placements = [str(p) for p in logits.placements] if is_dtensor else []
+        local_shape = tuple(logits.to_local().shape) if is_dtensor else None
+        whole = logits.full_tensor() if is_dtensor else logits
+        _objective(loss, whole).backward()
+    out = {"loss": loss.detach(), "logits": whole.detach(), "dtensor": is_dtensor, "placements": placements,
+           "local_shape": local_shape, "loss_is_dtensor": isinstance(loss, DTensor),
+           "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
+           "outputs": [o for r in compiled.autosp_reports for o in r.outputs]}
+    # The default gathers the logits whole; past the threshold the report says so and what to do.
+    import autosp.passes.core as core
+
+    core.LARGE_OUTPUT_BYTES = 1
+    torch._dynamo.reset()
+    compiled = autosp.compile(LogitsLM(), backend=backend, variant=variant)
+    with caches_off():
+        compiled(_ids())
+    out["whole_notes"] = [n for r in compiled.autosp_reports for n in r.notes]
+    return out

@@ -1,0 +1,25 @@
+"""outputs='sharded': sequence-shaped outputs come back as DTensors, exact when gathered, with exact gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from harness import run_spmd
+from sharded_outputs_workers import SEQ, reference, run
+
+
+@pytest.mark.parametrize(("variant", "world"), [("ulysses", 2), ("ring", 2), ("ring", 4)])
+def test_logits_as_dtensor(variant: str, world: int) -> None:
+    ref = reference()
+    for rank, got in enumerate(run_spmd(run, world, variant, "aot_eager")):
+        where = f"{variant} P={world} rank {rank}"
+        assert got["dtensor"] and got["placements"] == ["S(1)"], (where, got["placements"])
+        assert got["local_shape"] == (2, SEQ // world, ref["logits"].shape[-1]), where
+        assert not got["loss_is_dtensor"], where  # a loss is whole, as ever
+        torch.testing.assert_close(got["loss"], ref["loss"], rtol=1e-5, atol=1e-6, msg=f"{where}: loss")
+        torch.testing.assert_close(got["logits"], ref["logits"], rtol=1e-5, atol=1e-5, msg=f"{where}: logits")
+        for name, g in ref["grads"].items():
+            torch.testing.assert_close(got["grads"][name], g, rtol=1e-4, atol=1e-6, msg=f"{where}: grad {name}")
+        assert any("outputs='sharded'" in o for o in got["outputs"]), got["outputs"]
+        assert any("outputs gathered whole" in n and "outputs='sharded'" in n for n in got["whole_notes"]), (
+            got["whole_notes"])
