@@ -62,6 +62,10 @@ def negative_scale(q, k, v, mask):
     return ((q @ k.transpose(-2, -1)) * -0.5).softmax(-1) @ v
 
 
+def fp32_values(q, k, v, mask):
+    return (q @ k.transpose(-2, -1)).softmax(-1).double() @ v.double()
+
+
 def q_dependent_bias(q, k, v, mask):
     return ((q @ k.transpose(-2, -1)) + q.sum(-1, keepdim=True)).softmax(-1) @ v
 
@@ -97,6 +101,7 @@ def test_sdpa_expressible_forms_become_one_exact_call(fn):
     (weak_mask, "still weighs after softmax"),
     (negative_scale, "positive constant"),
     (q_dependent_bias, "mixes the scores"),
+    (fp32_values, "different dtypes"),
 ])
 def test_other_forms_are_found_and_kept(fn, why):
     regions = find_eager_regions(_lowered(fn))

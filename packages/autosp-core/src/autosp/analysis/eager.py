@@ -295,6 +295,10 @@ def _judge(region: EagerRegion, scores: torch.fx.Node) -> None:
             return
         scale *= factor
         s = node
+    dtypes = {_val(region.q).dtype, _val(region.k).dtype, _val(region.v).dtype}
+    if len(dtypes) > 1:
+        region.why_not = f"q, k and v have different dtypes ({sorted(str(d) for d in dtypes)})"
+        return
     hk, h = _shape(region.k)[1], _shape(region.q)[1]
     if h % hk:
         region.why_not = f"{h} query heads over {hk} kv heads"
