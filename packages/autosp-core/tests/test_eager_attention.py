@@ -62,6 +62,16 @@ def negative_scale(q, k, v, mask):
     return ((q @ k.transpose(-2, -1)) * -0.5).softmax(-1) @ v
 
 
+def scores_twice(q, k, v, mask):
+    s = q @ k.transpose(-2, -1)
+    return (s + s).softmax(-1) @ v
+
+
+def bias_minus_scaled_scores(q, k, v, mask):
+    s = q @ k.transpose(-2, -1)
+    return torch.sub(torch.zeros(S, S), s, alpha=-2.0).softmax(-1) @ v
+
+
 def fp32_values(q, k, v, mask):
     return (q @ k.transpose(-2, -1)).softmax(-1).double() @ v.double()
 
@@ -102,6 +112,8 @@ def test_sdpa_expressible_forms_become_one_exact_call(fn):
     (negative_scale, "positive constant"),
     (q_dependent_bias, "mixes the scores"),
     (fp32_values, "different dtypes"),
+    (scores_twice, "more than once"),
+    (bias_minus_scaled_scores, "negates the scores"),
 ])
 def test_other_forms_are_found_and_kept(fn, why):
     regions = find_eager_regions(_lowered(fn))

@@ -150,6 +150,8 @@ def _depends_on(node: Any, roots: set[torch.fx.Node]) -> bool:
 def _score_op(node: torch.fx.Node, s: torch.fx.Node, roots: set[torch.fx.Node]) -> tuple[float, str | None]:
     """(factor on the scores, reason it is not affine) for one op between the scores and softmax."""
     t = node.target
+    if sum(a is s for a in (*node.args, *node.kwargs.values())) != 1:
+        return 1.0, f"{node.name} ({t}) takes the scores more than once"
     others = [a for a in (*node.args, *node.kwargs.values()) if a is not s]
     if any(_depends_on(o, roots) for o in others):
         return 1.0, f"{node.name} ({t}) mixes the scores with another value computed from q, k or v"
@@ -166,7 +168,8 @@ def _score_op(node: torch.fx.Node, s: torch.fx.Node, roots: set[torch.fx.Node]) 
     if t in _ADD:
         if t is aten.sub.Tensor and node.args[0] is not s:
             return 1.0, f"{node.name} negates the scores"
-        if len(node.args) > 2 and node.args[2] != 1:
+        alpha = node.kwargs.get("alpha", node.args[2] if len(node.args) > 2 else 1)
+        if node.args[1] is s and alpha != 1:
             return 1.0, f"{node.name} adds a multiple of the scores"
         return 1.0, None
     if t in _MASK:
