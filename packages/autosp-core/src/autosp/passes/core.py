@@ -102,8 +102,10 @@ def _settle_sequence(ctx: CompileContext, lengths: list, written_out: list[Eager
     ``lengths``: those of the sites found in the Dynamo graph, read before lowering: lowering may
     specialise a dynamic length, and the rewrite must keep Dynamo's symbol.
     """
-    lengths = [*lengths, *(r.q.meta["val"].shape[2] for r in written_out),
-               *(r.k.meta["val"].shape[2] for r in written_out)]
+    lengths = list(lengths)
+    for r in written_out:
+        q_len, k_len = _concrete(r.q.meta["val"].shape[2]), _concrete(r.k.meta["val"].shape[2])
+        lengths += [q_len] if q_len != k_len else [q_len, k_len]  # keys of another length: a memory
     lengths = [_input_size(ctx, n) for n in lengths]
     if not lengths:
         known = ctx.known_seq_len
