@@ -86,6 +86,15 @@ def cross(q, k, v, m, h=None):
     return y + F.scaled_dot_product_attention(q, mk.transpose(1, 2), mv.transpose(1, 2))
 
 
+def cross_written(q, k, v, m, h=None):
+    """The same cross-attention to latents, written out (scores soft-capped: kept as written)."""
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    b, hd = q.shape[0], q.shape[-1]
+    mk, mv = m.kv(m.latents.expand(b, -1, -1)).view(b, -1, 2, HEADS, hd).unbind(2)
+    att = torch.tanh((q @ mk.transpose(1, 2).transpose(-2, -1)) / 4.0) * 4.0
+    return y + att.softmax(-1) @ mv.transpose(1, 2)
+
+
 def mha(q, k, v, m, h=None):
     """``nn.MultiheadAttention`` on the block's input (its own projections): Dynamo keeps it one call."""
     t = q.shape[2]
@@ -99,7 +108,7 @@ def no_attention(q, k, v, m, h=None):
 
 
 ATTENTION: dict[str, Callable] = {"nano": nano, "hf_eager": hf_eager, "gpt2": gpt2, "alibi": alibi,
-                                  "softcap": softcap, "sdpa": sdpa, "cross": cross, "mha": mha, "none": no_attention}
+                                  "softcap": softcap, "sdpa": sdpa, "cross": cross, "cross_written": cross_written, "mha": mha, "none": no_attention}
 
 
 class Block(nn.Module):
@@ -116,7 +125,7 @@ class Block(nn.Module):
         additive = torch.zeros(MAX_SEQ, MAX_SEQ).masked_fill(~_causal(MAX_SEQ), torch.finfo(torch.float32).min)
         self.register_buffer("additive_mask", additive.view(1, 1, MAX_SEQ, MAX_SEQ))
         self.padding: torch.Tensor | None = None
-        self.latents = nn.Parameter(torch.randn(1, 6, DIM) * 0.5) if attend is cross else None
+        self.latents = nn.Parameter(torch.randn(1, 6, DIM) * 0.5) if attend in (cross, cross_written) else None
         self.mha = nn.MultiheadAttention(DIM, HEADS, batch_first=True) if attend is mha else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

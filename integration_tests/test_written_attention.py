@@ -31,6 +31,7 @@ CASES = {
     ("none", "none", 4, False): (0, "runs whole on every rank"),
     ("cross", "none", 4, False): (4, "cross-attention"),
     ("mha", "none", 4, False): (2, "nn.MultiheadAttention"),
+    ("cross_written", "none", 4, False): (2, "kept as written"),
 }
 
 
