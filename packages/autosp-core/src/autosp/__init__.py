@@ -16,6 +16,7 @@ from autosp.hardware import HardwareProfile
 from autosp.hookspecs import hookimpl
 from autosp.options import SPOptions
 from autosp.passes.manager import Pass, Stage
+from autosp.plan import plan  # the function: autosp.plan(model, gpus=..., hardware=...)
 from autosp.report import Report
 from autosp.variants import SPVariant
 from autosp.verify import VerifyReport, verify
@@ -47,5 +48,6 @@ __all__ = [
     "compile",
     "explain",
     "hookimpl",
+    "plan",
     "verify",
 ]
