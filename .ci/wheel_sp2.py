@@ -68,8 +68,11 @@ def _rank(rank: int, store_path: str) -> None:
             torch.testing.assert_close(p.grad, r.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"rank {rank} {name}: {m}")
         report = compiled.autosp_reports[0]
         assert report.collectives.get("all_to_all", 0) >= 2, f"rank {rank}: no Ulysses all-to-all: {report}"
-        print(f"rank {rank}: loss {loss.item():.6f} (eager {ref_loss.item():.6f}), grads match, "
-              f"autosp {autosp.__version__} from {os.path.dirname(autosp.__file__)}", flush=True)
+        print(
+            f"rank {rank}: loss {loss.item():.6f} (eager {ref_loss.item():.6f}), grads match, "
+            f"autosp {autosp.__version__} from {os.path.dirname(autosp.__file__)}",
+            flush=True,
+        )
     finally:
         dist.destroy_process_group()
 

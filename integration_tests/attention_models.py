@@ -107,8 +107,18 @@ def no_attention(q, k, v, m, h=None):
     return v
 
 
-ATTENTION: dict[str, Callable] = {"nano": nano, "hf_eager": hf_eager, "gpt2": gpt2, "alibi": alibi,
-                                  "softcap": softcap, "sdpa": sdpa, "cross": cross, "cross_written": cross_written, "mha": mha, "none": no_attention}
+ATTENTION: dict[str, Callable] = {
+    "nano": nano,
+    "hf_eager": hf_eager,
+    "gpt2": gpt2,
+    "alibi": alibi,
+    "softcap": softcap,
+    "sdpa": sdpa,
+    "cross": cross,
+    "cross_written": cross_written,
+    "mha": mha,
+    "none": no_attention,
+}
 
 
 class Block(nn.Module):
@@ -184,8 +194,9 @@ def doc_mask(position_ids: torch.Tensor) -> torch.Tensor:
     """Block-diagonal causal [B, 1, S, S] mask of documents packed in a row: positions restart at 0."""
     doc = torch.cumsum((position_ids == 0).int(), dim=-1)
     same = doc[:, :, None] == doc[:, None, :]
-    causal = torch.tril(torch.ones(position_ids.shape[1], position_ids.shape[1], dtype=torch.bool,
-                                   device=position_ids.device))
+    causal = torch.tril(
+        torch.ones(position_ids.shape[1], position_ids.shape[1], dtype=torch.bool, device=position_ids.device)
+    )
     return (same & causal)[:, None]
 
 

@@ -30,16 +30,19 @@ def step(model: Any, case: Case, seq: int) -> dict[str, Any]:
     loss = model(*_args(case, seq))
     loss.backward()
     params = model._orig_mod if hasattr(model, "_orig_mod") else model
-    return {"loss": loss.detach(), "grads": {n: p.grad.clone() for n, p in params.named_parameters()
-                                             if p.grad is not None}}
+    return {
+        "loss": loss.detach(),
+        "grads": {n: p.grad.clone() for n, p in params.named_parameters() if p.grad is not None},
+    }
 
 
 def reference(case: Case, seq: int) -> dict[str, Any]:
     return step(build(case), case, seq)
 
 
-def run(rank: int, world: int, cases: list[Case], backend: str, variant: str, seq: int,
-        options: dict | None = None) -> dict[Case, Any]:
+def run(
+    rank: int, world: int, cases: list[Case], backend: str, variant: str, seq: int, options: dict | None = None
+) -> dict[Case, Any]:
     results = {}
     for case in cases:
         torch._dynamo.reset()

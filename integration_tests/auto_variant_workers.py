@@ -38,8 +38,15 @@ def run_auto(rank: int, world: int, cases: list[tuple[str, str | None]]) -> dict
     """Each (model, hardware) compiled with variant="auto"; loss, gradients and what auto chose."""
     out = {}
     for name, hardware in cases:
-        compiled = autosp.compile(build(name), sp_size=world, variant="auto", hardware=hardware,
-                                  backend="aot_eager", fullgraph=True, sac=False)
+        compiled = autosp.compile(
+            build(name),
+            sp_size=world,
+            variant="auto",
+            hardware=hardware,
+            backend="aot_eager",
+            fullgraph=True,
+            sac=False,
+        )
         result = step(compiled, batch())
         report = compiled.autosp_reports[0]
         result["variant"] = report.variant

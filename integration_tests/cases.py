@@ -71,8 +71,9 @@ def caches_off() -> Iterator[None]:
         yield
 
 
-def run_compiled(rank: int, world: int, names: list[str], batches: dict, backend: str,
-                 options: dict[str, Any] | None = None) -> dict[str, Any]:
+def run_compiled(
+    rank: int, world: int, names: list[str], batches: dict, backend: str, options: dict[str, Any] | None = None
+) -> dict[str, Any]:
     results = {}
     for name in names:
         model = build(name)

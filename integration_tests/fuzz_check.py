@@ -80,18 +80,34 @@ class Stats:
     def summary(self, label: str) -> str:
         top = "; ".join(f"{n}x {m}" for m, n in self.refusals.most_common(3))
         gathers = "; ".join(f"{n}x {m}" for m, n in self.fallbacks.most_common(3))
-        return (f"{label}: {self.ok + self.refused} programs, {self.ok} matched ({self.gathered} with a gather"
-                + (f": {gathers}" if gathers else "") + f"), {self.refused} refused" + (f" ({top})" if top else ""))
+        return (
+            f"{label}: {self.ok + self.refused} programs, {self.ok} matched ({self.gathered} with a gather"
+            + (f": {gathers}" if gathers else "")
+            + f"), {self.refused} refused"
+            + (f" ({top})" if top else "")
+        )
 
 
-def check_program(pool: SPMDPool, spec: fp.Spec, variant: str, variant_options: dict[str, Any] | None = None,
-                  stats: Stats | None = None, timeout_s: float = 180.0, **compile_options: Any) -> str:
+def check_program(
+    pool: SPMDPool,
+    spec: fp.Spec,
+    variant: str,
+    variant_options: dict[str, Any] | None = None,
+    stats: Stats | None = None,
+    timeout_s: float = 180.0,
+    **compile_options: Any,
+) -> str:
     """``"ok"`` or ``"refused"``; raises ``FuzzFailure`` saying what went wrong.
 
     ``compile_options`` go to ``autosp.compile`` (default ``backend="aot_eager"``, ``fullgraph=True``).
     """
-    options = {"variant": variant, "variant_options": variant_options or {}, "backend": "aot_eager",
-               "fullgraph": True, **compile_options}
+    options = {
+        "variant": variant,
+        "variant_options": variant_options or {},
+        "backend": "aot_eager",
+        "fullgraph": True,
+        **compile_options,
+    }
     shown = {k: v for k, v in options.items() if k not in ("variant", "fullgraph") and v}
     where = f"variant={variant!r} {shown} P={pool.world}\n  {fp.describe(spec)}\n  spec = {json.dumps(spec)}"
     ref = fp.reference(spec)

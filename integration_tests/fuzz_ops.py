@@ -22,10 +22,37 @@ CLASSES = 3
 # Simplest first in every list: hypothesis shrinks towards the first element.
 MASKS = ("none", "causal", "bool_causal", "additive_causal", "window", "padding", "document")
 TENSOR_MASKS = MASKS[2:]
-SEQ_OPS = ("drop_first", "drop_last", "roll", "cat_token", "token_shift", "flip", "downsample", "stride2",
-           "flip_add", "roll_add")
-POOLS = ("mean", "first", "last", "sum", "amax", "logsumexp", "norm", "index_select", "gather",
-         "masked_mean", "last_valid", "attn_pool", "std", "max", "attn_map", "topk", "hf_last")
+SEQ_OPS = (
+    "drop_first",
+    "drop_last",
+    "roll",
+    "cat_token",
+    "token_shift",
+    "flip",
+    "downsample",
+    "stride2",
+    "flip_add",
+    "roll_add",
+)
+POOLS = (
+    "mean",
+    "first",
+    "last",
+    "sum",
+    "amax",
+    "logsumexp",
+    "norm",
+    "index_select",
+    "gather",
+    "masked_mean",
+    "last_valid",
+    "attn_pool",
+    "std",
+    "max",
+    "attn_map",
+    "topk",
+    "hf_last",
+)
 POOL_HEADS = ("ce", "weighted_ce", "margin", "bce", "mse", "contrastive")
 
 
@@ -349,8 +376,9 @@ class LMLoss(nn.Module):
     def forward(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
         h, tgt = shifted(x, batch["labels"], self.shift)
         logits = self.out(h).reshape(-1, VOCAB)
-        loss = F.cross_entropy(logits, tgt.reshape(-1), ignore_index=-100, reduction=self.reduction,
-                               label_smoothing=self.smoothing)
+        loss = F.cross_entropy(
+            logits, tgt.reshape(-1), ignore_index=-100, reduction=self.reduction, label_smoothing=self.smoothing
+        )
         if self.reduction == "sum":
             loss = loss / tgt.numel()
         if self.z_loss:
@@ -488,10 +516,35 @@ class PoolLoss(nn.Module):
 LOSSES = {"lm": LMLoss, "seq_logprob": SeqLogprobLoss, "token_mse": TokenMSELoss, "pool": PoolLoss, "grpo": GRPOLoss}
 
 
-BODY = {"linear": Linear, "norm": Norm, "act": Act, "mlp": MLP, "seq": SeqOp, "cumsum": Cumsum,
-        "seq_stat": SeqStat, "mask_tail": MaskTail, "conv": Conv, "manual_attention": ManualAttention,
-        "linear_attention": LinearAttention}
+BODY = {
+    "linear": Linear,
+    "norm": Norm,
+    "act": Act,
+    "mlp": MLP,
+    "seq": SeqOp,
+    "cumsum": Cumsum,
+    "seq_stat": SeqStat,
+    "mask_tail": MaskTail,
+    "conv": Conv,
+    "manual_attention": ManualAttention,
+    "linear_attention": LinearAttention,
+}
 
 
-__all__ = ["ACTS", "BODY", "CLASSES", "LOSSES", "MASKS", "POOLS", "POOL_HEADS", "SEQ_OPS", "TENSOR_MASKS", "VOCAB",
-           "Attention", "PosEmbed", "Spec", "fit", "length_after"]
+__all__ = [
+    "ACTS",
+    "BODY",
+    "CLASSES",
+    "LOSSES",
+    "MASKS",
+    "POOLS",
+    "POOL_HEADS",
+    "SEQ_OPS",
+    "TENSOR_MASKS",
+    "VOCAB",
+    "Attention",
+    "PosEmbed",
+    "Spec",
+    "fit",
+    "length_after",
+]

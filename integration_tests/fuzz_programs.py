@@ -167,17 +167,19 @@ def describe(spec: Spec) -> str:
 
 
 def attention_ops(heads: int, masks: tuple[str, ...]) -> st.SearchStrategy[Spec]:
-    return st.fixed_dictionaries({
-        "op": st.just("attention"),
-        "mask": st.sampled_from(masks),
-        "kv_heads": st.sampled_from([heads, heads // 2, 1]),
-        "residual": st.booleans(),
-        "norm": st.sampled_from(["none", "layer", "rms"]),
-        "rope": st.booleans(),
-        "fused": st.booleans(),
-        "positions": st.sampled_from(["arange", "input"]),
-        "gqa": st.sampled_from(["repeat", "sdpa"]),
-    })
+    return st.fixed_dictionaries(
+        {
+            "op": st.just("attention"),
+            "mask": st.sampled_from(masks),
+            "kv_heads": st.sampled_from([heads, heads // 2, 1]),
+            "residual": st.booleans(),
+            "norm": st.sampled_from(["none", "layer", "rms"]),
+            "rope": st.booleans(),
+            "fused": st.booleans(),
+            "positions": st.sampled_from(["arange", "input"]),
+            "gqa": st.sampled_from(["repeat", "sdpa"]),
+        }
+    )
 
 
 def body_ops(heads: int, masks: tuple[str, ...]) -> st.SearchStrategy[Spec]:
@@ -201,8 +203,12 @@ def body_ops(heads: int, masks: tuple[str, ...]) -> st.SearchStrategy[Spec]:
         op("manual_attention", causal=st.booleans()),
         op("linear_attention", kind=st.sampled_from(["tril", "decay", "diagonal"])),
     )
-    groups = {"tokenwise": tokenwise, "attention": attention_ops(heads, masks),
-              "seq": op("seq", kind=st.sampled_from(SEQ_OPS)), "along_sequence": along_sequence}
+    groups = {
+        "tokenwise": tokenwise,
+        "attention": attention_ops(heads, masks),
+        "seq": op("seq", kind=st.sampled_from(SEQ_OPS)),
+        "along_sequence": along_sequence,
+    }
     return st.sampled_from(list(groups)).flatmap(groups.__getitem__)
 
 
@@ -210,15 +216,25 @@ def loss_heads(tap: st.SearchStrategy[int]) -> st.SearchStrategy[Spec]:
     common = {"tap": tap, "coef": st.sampled_from([1.0, 0.5])}
     shift = st.sampled_from(["next", "prev"])
     by_kind = {
-        "pool": st.fixed_dictionaries({"kind": st.just("pool"), "pool": st.sampled_from(POOLS),
-                                       "head": st.sampled_from(POOL_HEADS), **common}),
-        "lm": st.fixed_dictionaries({"kind": st.just("lm"), "reduction": st.sampled_from(["mean", "sum"]),
-                                     "smoothing": st.sampled_from([0.0, 0.1]), "z_loss": st.booleans(),
-                                     "tied": st.booleans(), "shift": shift, **common}),
+        "pool": st.fixed_dictionaries(
+            {"kind": st.just("pool"), "pool": st.sampled_from(POOLS), "head": st.sampled_from(POOL_HEADS), **common}
+        ),
+        "lm": st.fixed_dictionaries(
+            {
+                "kind": st.just("lm"),
+                "reduction": st.sampled_from(["mean", "sum"]),
+                "smoothing": st.sampled_from([0.0, 0.1]),
+                "z_loss": st.booleans(),
+                "tied": st.booleans(),
+                "shift": shift,
+                **common,
+            }
+        ),
         "seq_logprob": st.fixed_dictionaries({"kind": st.just("seq_logprob"), "shift": shift, **common}),
         "token_mse": st.fixed_dictionaries({"kind": st.just("token_mse"), **common}),
-        "grpo": st.fixed_dictionaries({"kind": st.just("grpo"), "norm": st.sampled_from(["sequence", "token"]),
-                                       "shift": shift, **common}),
+        "grpo": st.fixed_dictionaries(
+            {"kind": st.just("grpo"), "norm": st.sampled_from(["sequence", "token"]), "shift": shift, **common}
+        ),
     }
     # Batch-level losses after a sequence reduction are where SP goes wrong most: half of the draws.
     kinds = ["pool", "lm", "pool", "seq_logprob", "pool", "token_mse", "pool", "grpo"]
@@ -234,9 +250,16 @@ def programs(draw: st.DrawFn, world: int, masks: tuple[str, ...] = MASKS, max_bo
     body = draw(st.lists(body_ops(heads, masks), max_size=max_body - 1))
     at = draw(st.integers(0, len(body)))
     body.insert(at, draw(attention_ops(heads, masks)))
-    spec: Spec = {"seed": draw(st.integers(0, 2**16)), "batch": draw(st.integers(1, 3)), "seq": seq,
-                  "dim": dim, "heads": heads, "input": draw(st.sampled_from(["ids", "float", "float_sbd"])),
-                  "body": body, "proj": draw(st.booleans())}
+    spec: Spec = {
+        "seed": draw(st.integers(0, 2**16)),
+        "batch": draw(st.integers(1, 3)),
+        "seq": seq,
+        "dim": dim,
+        "heads": heads,
+        "input": draw(st.sampled_from(["ids", "float", "float_sbd"])),
+        "body": body,
+        "proj": draw(st.booleans()),
+    }
     assume(min(lengths(spec)) >= 3)
     # The first loss reads the end of the program; a second may tap any point (a multi-task or auxiliary loss).
     first = draw(loss_heads(st.just(-1)))
@@ -245,5 +268,18 @@ def programs(draw: st.DrawFn, world: int, masks: tuple[str, ...] = MASKS, max_bo
     return spec
 
 
-__all__ = ["INPUTS", "MASKS", "STEPS", "TENSOR_MASKS", "FuzzProgram", "Spec", "build", "describe", "lengths",
-           "make_inputs", "programs", "reference", "run_steps"]
+__all__ = [
+    "INPUTS",
+    "MASKS",
+    "STEPS",
+    "TENSOR_MASKS",
+    "FuzzProgram",
+    "Spec",
+    "build",
+    "describe",
+    "lengths",
+    "make_inputs",
+    "programs",
+    "reference",
+    "run_steps",
+]

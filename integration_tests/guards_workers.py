@@ -72,10 +72,12 @@ def rank_raises(rank: int, world: int, timeout: float) -> dict[str, Any]:
     from autosp.options import group_timeout
 
     # Groups AutoSP makes: timeout= when given, else the world's (harness: 120 s), not gloo's 30 min.
-    out: dict[str, Any] = {"group_timeouts": [
-        group_timeout(autosp.backend(sp_size=1).group).total_seconds(),
-        group_timeout(autosp.backend(sp_size=2, timeout=timeout).group).total_seconds(),
-    ]}
+    out: dict[str, Any] = {
+        "group_timeouts": [
+            group_timeout(autosp.backend(sp_size=1).group).total_seconds(),
+            group_timeout(autosp.backend(sp_size=2, timeout=timeout).group).total_seconds(),
+        ]
+    }
     ids = _ids(2, 32)
 
     def case(name: str, check_inputs: str, before_backward: bool) -> None:

@@ -22,9 +22,7 @@ def _worker(rank: int, world: int, store_path: str, out_dir: str, fn: Callable[.
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, world)
     # A collective that one rank skips must fail the test, not hang it.
-    dist.init_process_group(
-        "gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120)
-    )
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
     result: Any
     try:
         result = ("ok", fn(rank, world, *args))

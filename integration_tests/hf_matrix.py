@@ -45,77 +45,136 @@ LOGITS_TOLERANCES: dict[Mode, tuple[float, float]] = {"train": (1e-4, 1e-5), "ev
 
 
 def _sizes(**extra: Any) -> dict[str, Any]:
-    return dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
-                num_attention_heads=HEADS, max_position_embeddings=64, use_cache=False, tie_word_embeddings=False,
-                **extra)
+    return dict(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=2 * HIDDEN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        max_position_embeddings=64,
+        use_cache=False,
+        tie_word_embeddings=False,
+        **extra,
+    )
 
 
 def _llama(attn: str) -> Callable[[], Any]:
     def build() -> Any:
         import transformers as t
+
         return t.LlamaForCausalLM(t.LlamaConfig(**_sizes(num_key_value_heads=KV_HEADS), attn_implementation=attn))
+
     return build
 
 
 def _mistral() -> Any:
     import transformers as t
-    return t.MistralForCausalLM(t.MistralConfig(**_sizes(num_key_value_heads=KV_HEADS, head_dim=HIDDEN // HEADS,
-                                                         sliding_window=WINDOW), attn_implementation="sdpa"))
+
+    return t.MistralForCausalLM(
+        t.MistralConfig(
+            **_sizes(num_key_value_heads=KV_HEADS, head_dim=HIDDEN // HEADS, sliding_window=WINDOW),
+            attn_implementation="sdpa",
+        )
+    )
 
 
 def _qwen2() -> Any:
     import transformers as t
+
     return t.Qwen2ForCausalLM(t.Qwen2Config(**_sizes(num_key_value_heads=KV_HEADS), attn_implementation="sdpa"))
 
 
 def _gemma2() -> Any:
     import transformers as t
+
     # As released: tanh soft-capping of attention scores and final logits, sliding and full layers alternating;
     # eager attention, which HF recommends for Gemma-2 because SDPA cannot soft-cap.
-    cfg = t.Gemma2Config(**_sizes(num_key_value_heads=KV_HEADS, head_dim=HIDDEN // HEADS,
-                                  query_pre_attn_scalar=HIDDEN // HEADS, sliding_window=WINDOW,
-                                  layer_types=["sliding_attention", "full_attention"],
-                                  attn_logit_softcapping=50.0, final_logit_softcapping=30.0, pad_token_id=0),
-                         attn_implementation="eager")
+    cfg = t.Gemma2Config(
+        **_sizes(
+            num_key_value_heads=KV_HEADS,
+            head_dim=HIDDEN // HEADS,
+            query_pre_attn_scalar=HIDDEN // HEADS,
+            sliding_window=WINDOW,
+            layer_types=["sliding_attention", "full_attention"],
+            attn_logit_softcapping=50.0,
+            final_logit_softcapping=30.0,
+            pad_token_id=0,
+        ),
+        attn_implementation="eager",
+    )
     return t.Gemma2ForCausalLM(cfg)
 
 
 def _phi3() -> Any:
     import transformers as t
+
     # Phi-3's default special tokens (32000) lie outside the tiny vocabulary.
-    return t.Phi3ForCausalLM(t.Phi3Config(**_sizes(num_key_value_heads=KV_HEADS, pad_token_id=0, bos_token_id=1,
-                                                   eos_token_id=2), attn_implementation="sdpa"))
+    return t.Phi3ForCausalLM(
+        t.Phi3Config(
+            **_sizes(num_key_value_heads=KV_HEADS, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+            attn_implementation="sdpa",
+        )
+    )
 
 
 def _gpt_neox() -> Any:
     import transformers as t
+
     # Rotary on a quarter of each head's dimensions (the released default): a partial-rotary model.
-    cfg = t.GPTNeoXConfig(**_sizes(rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                                    "partial_rotary_factor": 0.25}), attn_implementation="sdpa")
+    cfg = t.GPTNeoXConfig(
+        **_sizes(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}),
+        attn_implementation="sdpa",
+    )
     return t.GPTNeoXForCausalLM(cfg)
 
 
 def _gpt2() -> Any:
     import transformers as t
-    cfg = t.GPT2Config(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_positions=64, use_cache=False,
-                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=2,
-                       attn_implementation="eager")
+
+    cfg = t.GPT2Config(
+        vocab_size=VOCAB,
+        n_embd=HIDDEN,
+        n_layer=LAYERS,
+        n_head=HEADS,
+        n_positions=64,
+        use_cache=False,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=1,
+        eos_token_id=2,
+        attn_implementation="eager",
+    )
     return t.GPT2LMHeadModel(cfg)
 
 
 def _mixtral() -> Any:
     import transformers as t
-    cfg = t.MixtralConfig(**_sizes(num_key_value_heads=KV_HEADS, head_dim=HIDDEN // HEADS, num_local_experts=4,
-                                   num_experts_per_tok=2), attn_implementation="sdpa")
+
+    cfg = t.MixtralConfig(
+        **_sizes(num_key_value_heads=KV_HEADS, head_dim=HIDDEN // HEADS, num_local_experts=4, num_experts_per_tok=2),
+        attn_implementation="sdpa",
+    )
     return t.MixtralForCausalLM(cfg)
 
 
 def _bert() -> Any:
     import transformers as t
-    cfg = t.BertConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-                       intermediate_size=2 * HIDDEN, max_position_embeddings=64, hidden_dropout_prob=0.0,
-                       attention_probs_dropout_prob=0.0, num_labels=CLASSES, pad_token_id=0,
-                       use_cache=False, attn_implementation="sdpa")
+
+    cfg = t.BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        intermediate_size=2 * HIDDEN,
+        max_position_embeddings=64,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        num_labels=CLASSES,
+        pad_token_id=0,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
     return t.BertForSequenceClassification(cfg)
 
 
@@ -183,8 +242,9 @@ def _step(model: Any, inputs: dict[str, torch.Tensor], mode: Mode) -> dict[str, 
     return result
 
 
-def run_row(rank: int, world: int, row: Row, backend: str = "aot_eager",
-            options: dict[str, Any] | None = None) -> dict[str, Any]:
+def run_row(
+    rank: int, world: int, row: Row, backend: str = "aot_eager", options: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Pool task: the single-device eager step and the AutoSP step of ``row``, with what the reports say.
 
     ``options`` go to ``autosp.compile`` as well (the tests break the engine on purpose through them).
@@ -198,9 +258,16 @@ def run_row(rank: int, world: int, row: Row, backend: str = "aot_eager",
     with caches_off():
         got = _step(compiled, inputs, row.mode)
     reports = compiled.autosp_reports
-    return {"ref": ref, "sp": got, "seconds": time.perf_counter() - start, "graphs": len(reports),
-            "sites": sum(len(r.sites) for r in reports), "fallbacks": [f for r in reports for f in r.fallbacks],
-            "notes": [n for r in reports for n in r.notes], "sharded": [r.seq_len for r in reports]}
+    return {
+        "ref": ref,
+        "sp": got,
+        "seconds": time.perf_counter() - start,
+        "graphs": len(reports),
+        "sites": sum(len(r.sites) for r in reports),
+        "fallbacks": [f for r in reports for f in r.fallbacks],
+        "notes": [n for r in reports for n in r.notes],
+        "sharded": [r.seq_len for r in reports],
+    }
 
 
 @dataclass(frozen=True)
@@ -219,8 +286,10 @@ def _differences(got: dict[str, Any], ref: dict[str, Any], mode: Mode) -> list[s
     (lr, la), (gr, ga) = TOLERANCES[mode]
     problems = []
     tr, ta = LOGITS_TOLERANCES[mode]
-    pairs = [("loss", got["loss"], ref["loss"], lr, la),
-             ("logits", got["logits"], ref["logits"], tr, ta * ref["logits"].abs().max().item())]
+    pairs = [
+        ("loss", got["loss"], ref["loss"], lr, la),
+        ("logits", got["logits"], ref["logits"], tr, ta * ref["logits"].abs().max().item()),
+    ]
     if got["grads"].keys() != ref["grads"].keys():
         missing = sorted(ref["grads"].keys() - got["grads"].keys())
         extra = sorted(got["grads"].keys() - ref["grads"].keys())
@@ -228,7 +297,9 @@ def _differences(got: dict[str, Any], ref: dict[str, Any], mode: Mode) -> list[s
     scale = max((g.abs().max().item() for g in ref["grads"].values()), default=0.0)
     for name in sorted(ref["grads"].keys() & got["grads"].keys()):
         # atol relative to the largest gradient anywhere, as autosp.verify does, for bf16 only: fp32 is absolute.
-        pairs.append((f"grad {name}", got["grads"][name], ref["grads"][name], gr, ga * (scale if mode == "bf16" else 1)))
+        pairs.append(
+            (f"grad {name}", got["grads"][name], ref["grads"][name], gr, ga * (scale if mode == "bf16" else 1))
+        )
     for what, a, b, rtol, atol in pairs:
         if a.shape != b.shape:
             problems.append(f"{what}: shape {list(a.shape)} vs single-device {list(b.shape)}")
@@ -236,8 +307,10 @@ def _differences(got: dict[str, Any], ref: dict[str, Any], mode: Mode) -> list[s
         err = (a.float() - b.float()).abs()
         bad = ~(err <= atol + rtol * b.float().abs())
         if bad.any():
-            problems.append(f"{what}: max abs error {err.max().item():.3g} at {bad.sum().item()} of {bad.numel()} "
-                            f"elements (rtol {rtol:g}, atol {atol:g})")
+            problems.append(
+                f"{what}: max abs error {err.max().item():.3g} at {bad.sum().item()} of {bad.numel()} "
+                f"elements (rtol {rtol:g}, atol {atol:g})"
+            )
     return problems
 
 
@@ -249,25 +322,35 @@ def classify(row: Row, per_rank: list[Any], seconds: float) -> Outcome:
         same = len(errors) == len(per_rank) and len({(e.type_name, e.message) for e in errors}) == 1
         if same and first.is_a("AutoSPError"):
             return Outcome("refused", f"{first.type_name}: {first.message}", seconds)
-        kinds = sorted({f"rank {r}: {v.type_name}: {v.message[:400]}" for r, v in enumerate(per_rank)
-                        if isinstance(v, RankError)})
+        kinds = sorted(
+            {f"rank {r}: {v.type_name}: {v.message[:400]}" for r, v in enumerate(per_rank) if isinstance(v, RankError)}
+        )
         return Outcome("bug", f"{'; '.join(kinds)}\n{first.traceback[-2500:]}", seconds)
     for rank, res in enumerate(per_rank):
         problems = _differences(res["sp"], res["ref"], row.mode)
         if problems:
-            return Outcome("bug", f"rank {rank} differs from single-device eager: {'; '.join(problems[:5])}"
-                           + (f" (+{len(problems) - 5} more)" if len(problems) > 5 else ""), seconds)
+            return Outcome(
+                "bug",
+                f"rank {rank} differs from single-device eager: {'; '.join(problems[:5])}"
+                + (f" (+{len(problems) - 5} more)" if len(problems) > 5 else ""),
+                seconds,
+            )
     first = per_rank[0]
     gathers = f", {len(first['fallbacks'])} ops gathered" if first["fallbacks"] else ""
     kept = ", attention kept as written" if any("kept as written" in n for n in first["notes"]) else ""
     # A graph that shards nothing runs whole on every rank: exact, but not sequence-parallel; say so.
     sharded = sum(s is not None for s in first["sharded"])
-    return Outcome("exact", f"{sharded} of {first['graphs']} graphs sharded, {first['sites']} attention sites"
-                   f"{kept}{gathers}", seconds, tuple(first["fallbacks"]))
+    return Outcome(
+        "exact",
+        f"{sharded} of {first['graphs']} graphs sharded, {first['sites']} attention sites{kept}{gathers}",
+        seconds,
+        tuple(first["fallbacks"]),
+    )
 
 
-def check_row(pool: SPMDPool, row: Row, *, backend: str = "aot_eager", timeout_s: float = 300.0,
-              **options: Any) -> Outcome:
+def check_row(
+    pool: SPMDPool, row: Row, *, backend: str = "aot_eager", timeout_s: float = 300.0, **options: Any
+) -> Outcome:
     """Run ``row`` on every rank of ``pool`` and classify it; ``options`` go to ``autosp.compile``."""
     start = time.perf_counter()
     try:

@@ -150,8 +150,9 @@ def build(name: str) -> nn.Module:
     torch.manual_seed(0)
     if name.startswith("pool-"):
         return PoolClassifier(name.removeprefix("pool-"))
-    return {"reward": RewardModel, "dpo": PreferenceModel, "cls-token": ClsTokenEncoder,
-            "cumsum": PaddedCumsumLM}[name]()
+    return {"reward": RewardModel, "dpo": PreferenceModel, "cls-token": ClsTokenEncoder, "cumsum": PaddedCumsumLM}[
+        name
+    ]()
 
 
 def inputs(name: str, batch: int = 2, seq: int = 16) -> tuple[torch.Tensor, ...]:
@@ -163,8 +164,13 @@ def inputs(name: str, batch: int = 2, seq: int = 16) -> tuple[torch.Tensor, ...]
     if name == "dpo":
         mask = torch.ones(batch, seq)
         mask[:, : seq // 4] = 0  # the prompt: no loss on it
-        return ids, torch.randint(0, VOCAB, (batch, seq), generator=gen), mask, torch.randn(batch, generator=gen), \
-            torch.randn(batch, generator=gen)
+        return (
+            ids,
+            torch.randint(0, VOCAB, (batch, seq), generator=gen),
+            mask,
+            torch.randn(batch, generator=gen),
+            torch.randn(batch, generator=gen),
+        )
     if name == "cls-token":
         return ids[:, 1:], y  # one token fewer: [CLS] makes it whole again
     if name == "cumsum":
@@ -176,7 +182,19 @@ def inputs(name: str, batch: int = 2, seq: int = 16) -> tuple[torch.Tensor, ...]
     return ids, y
 
 
-NAMES = ["pool-mean", "pool-sum", "pool-max", "pool-first", "pool-last", "pool-logsumexp", "pool-norm",
-         "pool-weighted", "reward", "dpo", "cls-token", "cumsum"]
+NAMES = [
+    "pool-mean",
+    "pool-sum",
+    "pool-max",
+    "pool-first",
+    "pool-last",
+    "pool-logsumexp",
+    "pool-norm",
+    "pool-weighted",
+    "reward",
+    "dpo",
+    "cls-token",
+    "cumsum",
+]
 
 __all__ = ["NAMES", "build", "inputs"]

@@ -22,13 +22,13 @@ def reference(name: str, seq: int) -> dict[str, Any]:
     return step(build(name), name, seq)
 
 
-def run(rank: int, world: int, names: list[str], backend: str, variant: str, options: dict,
-        seq: int) -> dict[str, Any]:
+def run(rank: int, world: int, names: list[str], backend: str, variant: str, options: dict, seq: int) -> dict[str, Any]:
     results = {}
     for name in names:
         torch._dynamo.reset()
-        compiled = autosp.compile(build(name), backend=backend, fullgraph=True, variant=variant,
-                                  variant_options=options)
+        compiled = autosp.compile(
+            build(name), backend=backend, fullgraph=True, variant=variant, variant_options=options
+        )
         with caches_off():
             results[name] = step(compiled, name, seq)
         results[name]["fallbacks"] = list(compiled.autosp_reports[0].fallbacks)

@@ -47,8 +47,11 @@ def reference() -> dict[str, Any]:
     model = LogitsLM()
     loss, logits = model(_ids())
     _objective(loss, logits).backward()
-    return {"loss": loss.detach(), "logits": logits.detach(),
-            "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
+    return {
+        "loss": loss.detach(),
+        "logits": logits.detach(),
+        "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
+    }
 
 
 def run(rank: int, world: int, variant: str, backend: str) -> dict[str, Any]:
@@ -64,10 +67,16 @@ def run(rank: int, world: int, variant: str, backend: str) -> dict[str, Any]:
         local_shape = tuple(logits.to_local().shape) if is_dtensor else None
         whole = logits.full_tensor() if is_dtensor else logits
         _objective(loss, whole).backward()
-    out = {"loss": loss.detach(), "logits": whole.detach(), "dtensor": is_dtensor, "placements": placements,
-           "local_shape": local_shape, "loss_is_dtensor": isinstance(loss, DTensor),
-           "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
-           "outputs": [o for r in compiled.autosp_reports for o in r.outputs]}
+    out = {
+        "loss": loss.detach(),
+        "logits": whole.detach(),
+        "dtensor": is_dtensor,
+        "placements": placements,
+        "local_shape": local_shape,
+        "loss_is_dtensor": isinstance(loss, DTensor),
+        "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
+        "outputs": [o for r in compiled.autosp_reports for o in r.outputs],
+    }
     # The default gathers the logits whole; past the threshold the report says so and what to do.
     import autosp.passes.core as core
 

@@ -46,8 +46,13 @@ def _worker(rank: int, world: int, store_path: str, pg_timeout_s: float, inbox: 
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     # A collective that another rank skipped fails after pg_timeout_s instead of hanging the pool.
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=pg_timeout_s))
+    dist.init_process_group(
+        "gloo",
+        store=dist.FileStore(store_path, world),
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=pg_timeout_s),
+    )
     try:
         while (task := inbox.get()) is not None:
             task_id, fn, args = task
@@ -56,8 +61,9 @@ def _worker(rank: int, world: int, store_path: str, pg_timeout_s: float, inbox: 
             except BaseException as e:  # noqa: BLE001 - reported to the parent
                 # Object addresses differ between ranks; without them equal errors compare equal.
                 message = re.sub(r"0x[0-9a-f]+", "0x..", str(e))
-                err = RankError(type(e).__name__, tuple(c.__name__ for c in type(e).__mro__), message,
-                                traceback.format_exc())
+                err = RankError(
+                    type(e).__name__, tuple(c.__name__ for c in type(e).__mro__), message, traceback.format_exc()
+                )
                 outbox.put((task_id, rank, err))
     finally:
         dist.destroy_process_group()
@@ -80,8 +86,11 @@ class SPMDPool:
         self._outbox = self._ctx.Queue()
         self._inboxes = [self._ctx.Queue() for _ in range(self.world)]
         self._procs = [
-            self._ctx.Process(target=_worker, daemon=True,
-                              args=(r, self.world, store, self.pg_timeout_s, self._inboxes[r], self._outbox))
+            self._ctx.Process(
+                target=_worker,
+                daemon=True,
+                args=(r, self.world, store, self.pg_timeout_s, self._inboxes[r], self._outbox),
+            )
             for r in range(self.world)
         ]
         for p in self._procs:

@@ -38,8 +38,15 @@ def test_auto_four_ranks_with_heads_ulysses_cannot_split(tmp_path):
     # hybrid's one ring hop beats the ring's three. On the built-in profiles, at this tiny size,
     # launch latency decides and the ring's fewer collectives win.
     slow_hops = tmp_path / "slow-hops.json"
-    save(HardwareProfile("slow-hops", "cpu", matmul_flops={"float32": 5e10}, comm={
-        "all_to_all": CommModel(1e-6, 1e10), "p2p": CommModel(1e-3, 1e9)}), slow_hops)
+    save(
+        HardwareProfile(
+            "slow-hops",
+            "cpu",
+            matmul_flops={"float32": 5e10},
+            comm={"all_to_all": CommModel(1e-6, 1e10), "p2p": CommModel(1e-3, 1e9)},
+        ),
+        slow_hops,
+    )
     results = check(4, [("h4", "h100-80gb"), ("h2", str(slow_hops)), ("h3", None), ("h2", None)])
     assert results["h4@h100-80gb"]["variant"].startswith("ulysses")
     assert results[f"h2@{slow_hops}"]["variant"].startswith("hybrid(ulysses_degree=2)")

@@ -14,8 +14,21 @@ from harness import run_spmd
 
 from autosp_tools.train import TrainConfigError, run
 
-TINY = ["--model-size", "tiny", "--model-impl", "builtin", "--seq-len", "64", "--batch-size", "4",
-        "--steps", "4", "--seed", "3", "--quiet"]
+TINY = [
+    "--model-size",
+    "tiny",
+    "--model-impl",
+    "builtin",
+    "--seq-len",
+    "64",
+    "--batch-size",
+    "4",
+    "--steps",
+    "4",
+    "--seed",
+    "3",
+    "--quiet",
+]
 RTOL = 1e-5
 
 
@@ -39,8 +52,9 @@ def test_dp2_sp2_matches_one_process(single: list[float], kind: str) -> None:
 
 
 @pytest.mark.parametrize("stage", [1, 2])
-def test_deepspeed_dp2_sp2_matches_one_process(single: list[float], stage: int,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_deepspeed_dp2_sp2_matches_one_process(
+    single: list[float], stage: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     pytest.importorskip("deepspeed")
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     result = run(TINY + ["--sp-size", "2", "--dp", "2", "--deepspeed", str(stage)])

@@ -33,15 +33,31 @@ from autosp_tools.train import TrainConfigError, run
 TIMEOUT_S = 8
 # The job must end within the collective timeout plus this, counted from the fault.
 MARGIN_S = 30
-BASE = ["--model-size", "tiny", "--model-impl", "builtin", "--seq-len", "64", "--batch-size", "2", "--steps", "6",
-        "--seed", "5", "--quiet", "--timeout", str(TIMEOUT_S)]
+BASE = [
+    "--model-size",
+    "tiny",
+    "--model-impl",
+    "builtin",
+    "--seq-len",
+    "64",
+    "--batch-size",
+    "2",
+    "--steps",
+    "6",
+    "--seed",
+    "5",
+    "--quiet",
+    "--timeout",
+    str(TIMEOUT_S),
+]
 SP = BASE + ["--sp-size", "2", "--backend", "eager"]
 DP = BASE + ["--sp-size", "1", "--nproc", "2", "--backend", "none"]
 ONE = BASE + ["--sp-size", "1", "--nproc", "1", "--backend", "none"]
 
 
-def run_with_fault(monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str], fault: str,
-                   argv: list[str]) -> tuple[str, float]:
+def run_with_fault(
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str], fault: str, argv: list[str]
+) -> tuple[str, float]:
     """The launcher's message, and seconds from the fault to the end of the job."""
     monkeypatch.setenv("AUTOSP_FAULT", fault)
     with pytest.raises(RankFailed) as info:
@@ -59,45 +75,74 @@ CONSEQUENCE = r"\nthen, as a consequence:\n  rank 0: RuntimeError: .*gloo"
 @pytest.mark.parametrize(
     ("kind", "argv", "message"),
     [
-        pytest.param("raise", DP, r"^rank 1 failed in step 3: InjectedFault: AUTOSP_FAULT: injected exception on "
-                                  r"rank 1 in step 3\nTraceback", id="raise"),
-        pytest.param("exit", DP, r"^rank 1 exited with code 13 without raising a Python exception \(os._exit, or a "
-                                 r"crash in native code\), in step 3", id="exit"),
+        pytest.param(
+            "raise",
+            DP,
+            r"^rank 1 failed in step 3: InjectedFault: AUTOSP_FAULT: injected exception on "
+            r"rank 1 in step 3\nTraceback",
+            id="raise",
+        ),
+        pytest.param(
+            "exit",
+            DP,
+            r"^rank 1 exited with code 13 without raising a Python exception \(os._exit, or a "
+            r"crash in native code\), in step 3",
+            id="exit",
+        ),
         # Today's complaint: one rank interrupted, and the lowest rank's "peer closed" was blamed.
         pytest.param("interrupt", DP, r"^rank 1 failed in step 3: KeyboardInterrupt", id="interrupt"),
-        pytest.param("hang", SP, r"^rank 1 stopped responding in step 3: it is alive but has sent no heartbeat for "
-                                 rf"\d+ s, and rank\(s\) 0 gave up waiting for it in a collective \(--timeout "
-                                 rf"{TIMEOUT_S} s\)", id="hang"),
-        pytest.param("stop", SP, r"^rank 1 stopped responding in step 3: it is alive but has sent no heartbeat for "
-                                 r"\d+ s", id="stop"),
+        pytest.param(
+            "hang",
+            SP,
+            r"^rank 1 stopped responding in step 3: it is alive but has sent no heartbeat for "
+            rf"\d+ s, and rank\(s\) 0 gave up waiting for it in a collective \(--timeout "
+            rf"{TIMEOUT_S} s\)",
+            id="hang",
+        ),
+        pytest.param(
+            "stop",
+            SP,
+            r"^rank 1 stopped responding in step 3: it is alive but has sent no heartbeat for "
+            r"\d+ s",
+            id="stop",
+        ),
     ],
 )
-def test_a_broken_rank_ends_the_job_and_is_named(kind: str, argv: list[str], message: str,
-                                                 monkeypatch: pytest.MonkeyPatch,
-                                                 capfd: pytest.CaptureFixture[str]) -> None:
+def test_a_broken_rank_ends_the_job_and_is_named(
+    kind: str, argv: list[str], message: str, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
     text, took = run_with_fault(monkeypatch, capfd, f"1:3:{kind}", argv)
     assert re.search(message, text, re.S), text
     assert re.search(CONSEQUENCE, text), text
     assert took < TIMEOUT_S + MARGIN_S, f"the job took {took:.0f} s to end after the fault"
 
 
-def test_watchdog_ends_a_job_whose_ranks_all_hang(monkeypatch: pytest.MonkeyPatch,
-                                                  capfd: pytest.CaptureFixture[str]) -> None:
+def test_watchdog_ends_a_job_whose_ranks_all_hang(
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
     # No rank waits in a collective, so no collective timeout fires: only the step watchdog can end it.
     text, took = run_with_fault(monkeypatch, capfd, "*:3:hang", DP)
-    assert re.search(r"^no progress: rank 0 in step 3, \d+ s after its last heartbeat; rank 1 in step 3, \d+ s after "
-                     rf"its last heartbeat\. Each step must end within --timeout {TIMEOUT_S} s plus", text), text
+    assert re.search(
+        r"^no progress: rank 0 in step 3, \d+ s after its last heartbeat; rank 1 in step 3, \d+ s after "
+        rf"its last heartbeat\. Each step must end within --timeout {TIMEOUT_S} s plus",
+        text,
+    ), text
     assert "raise --timeout" in text
     assert took < TIMEOUT_S + MARGIN_S, f"the job took {took:.0f} s to end after the fault"
 
 
-def test_killed_rank_then_resume_auto_loses_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                    capfd: pytest.CaptureFixture[str]) -> None:
+def test_killed_rank_then_resume_auto_loses_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
     ckpt = tmp_path / "ckpt"
-    text, took = run_with_fault(monkeypatch, capfd, "1:5:kill", SP + ["--checkpoint-dir", str(ckpt), "--save-every",
-                                                                      "2"])
-    assert re.search(r"^rank 1 was killed by SIGKILL \(the kernel's out-of-memory killer sends SIGKILL: check "
-                     r"memory\), in step 5" + CONSEQUENCE, text), text
+    text, took = run_with_fault(
+        monkeypatch, capfd, "1:5:kill", SP + ["--checkpoint-dir", str(ckpt), "--save-every", "2"]
+    )
+    assert re.search(
+        r"^rank 1 was killed by SIGKILL \(the kernel's out-of-memory killer sends SIGKILL: check "
+        r"memory\), in step 5" + CONSEQUENCE,
+        text,
+    ), text
     assert took < TIMEOUT_S + MARGIN_S, f"the job took {took:.0f} s to end after the fault"
     assert [p.name for p in checkpoint.checkpoints(ckpt)] == ["step_00000002.pt", "step_00000004.pt"]
     # What a crash in the middle of a save leaves behind.
@@ -157,9 +202,9 @@ def three_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize("damage", sorted(DAMAGE))
-def test_a_damaged_checkpoint_is_named_with_the_newest_good_one(damage: str, three_checkpoints: Path,
-                                                                tmp_path: Path,
-                                                                capfd: pytest.CaptureFixture[str]) -> None:
+def test_a_damaged_checkpoint_is_named_with_the_newest_good_one(
+    damage: str, three_checkpoints: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     for p in three_checkpoints.iterdir():
@@ -175,8 +220,11 @@ def test_a_damaged_checkpoint_is_named_with_the_newest_good_one(damage: str, thr
 
     start = time.monotonic()
     for resume in (["--resume"], ["--resume", str(bad)]):
-        with pytest.raises(TrainConfigError, match=rf"checkpoint {re.escape(str(bad))} {why}.*; the newest good "
-                           rf"checkpoint is {re.escape(str(checkpoint.path_for(ckpt, 2)))}: resume from it"):
+        with pytest.raises(
+            TrainConfigError,
+            match=rf"checkpoint {re.escape(str(bad))} {why}.*; the newest good "
+            rf"checkpoint is {re.escape(str(checkpoint.path_for(ckpt, 2)))}: resume from it",
+        ):
             run(ONE + ["--steps", "4", "--checkpoint-dir", str(ckpt)] + resume)
     assert time.monotonic() - start < 30  # refused before any rank starts
 

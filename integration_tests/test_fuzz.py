@@ -73,10 +73,26 @@ def pool_for(pools: dict[int, SPMDPool], world: int) -> SPMDPool:
 
 
 # A causal LM: loss over tokens, labels shifted inside.
-LM = {"seed": 3, "batch": 2, "seq": 8, "dim": 16, "heads": 4, "input": "ids",
-      "body": [{"op": "attention", "mask": "causal", "kv_heads": 4, "residual": True, "norm": "rms", "rope": True,
-                "fused": False}],
-      "losses": [{"kind": "lm", "reduction": "mean", "tap": -1, "coef": 1.0}]}
+LM = {
+    "seed": 3,
+    "batch": 2,
+    "seq": 8,
+    "dim": 16,
+    "heads": 4,
+    "input": "ids",
+    "body": [
+        {
+            "op": "attention",
+            "mask": "causal",
+            "kv_heads": 4,
+            "residual": True,
+            "norm": "rms",
+            "rope": True,
+            "fused": False,
+        }
+    ],
+    "losses": [{"kind": "lm", "reduction": "mean", "tap": -1, "coef": 1.0}],
+}
 
 
 def test_check_catches_a_missing_gradient_all_reduce(pools: dict[int, SPMDPool]) -> None:
@@ -95,8 +111,9 @@ def test_pool_reports_a_hang_and_recovers(pools: dict[int, SPMDPool]) -> None:
 
 
 @pytest.mark.parametrize(("world", "variant", "options"), CONFIGS, ids=[f"{v}-P{p}" for p, v, _ in CONFIGS])
-def test_random_programs_match_single_device(pools: dict[int, SPMDPool], world: int, variant: str,
-                                             options: dict, record_property: pytest.RecordProperty) -> None:
+def test_random_programs_match_single_device(
+    pools: dict[int, SPMDPool], world: int, variant: str, options: dict, record_property: pytest.RecordProperty
+) -> None:
     if variant not in installed_variants():
         pytest.skip(f"variant {variant!r} is not installed (its package provides it)")
     pool = pool_for(pools, world)
@@ -104,9 +121,13 @@ def test_random_programs_match_single_device(pools: dict[int, SPMDPool], world: 
     masks = fp.MASKS if variant == "ulysses" else RING_MASKS
 
     @seed(zlib.crc32(f"{variant}-P{world}".encode()) + SEED_SHIFT)
-    @settings(max_examples=EXAMPLES, deadline=None, database=None,
-              phases=[Phase.explicit, Phase.generate, Phase.shrink],
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+    @settings(
+        max_examples=EXAMPLES,
+        deadline=None,
+        database=None,
+        phases=[Phase.explicit, Phase.generate, Phase.shrink],
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+    )
     @given(fp.programs(world, masks=masks))
     def check(spec: fp.Spec) -> None:
         check_program(pool, spec, variant, options, stats, **COMPILE_OPTIONS)

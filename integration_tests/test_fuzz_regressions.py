@@ -16,67 +16,175 @@ from spmd_pool import SPMDPool
 # nothing in the report.
 CASES = [
     # Mean-pooling classifier (issue 11): loss 1.01317 vs 1.0574, every gradient about 0.49x.
-    ("mean-pool-ce", "ulysses", 2,
-     {"seed": 0, "batch": 1, "seq": 4, "dim": 16, "heads": 4, "input": "ids",
-      "body": [
-          {"op": "attention", "mask": "none", "kv_heads": 4, "residual": False, "norm": "none", "rope": False, "fused": False},
-      ],
-      "losses": [
-          {"kind": "pool", "pool": "mean", "head": "ce", "tap": -1, "coef": 1.0},
-      ]},
+    (
+        "mean-pool-ce",
+        "ulysses",
+        2,
+        {
+            "seed": 0,
+            "batch": 1,
+            "seq": 4,
+            "dim": 16,
+            "heads": 4,
+            "input": "ids",
+            "body": [
+                {
+                    "op": "attention",
+                    "mask": "none",
+                    "kv_heads": 4,
+                    "residual": False,
+                    "norm": "none",
+                    "rope": False,
+                    "fused": False,
+                },
+            ],
+            "losses": [
+                {"kind": "pool", "pool": "mean", "head": "ce", "tap": -1, "coef": 1.0},
+            ],
+        },
     ),
     # The same at S=8 with ring: every gradient about 0.5x.
-    ("mean-pool-ce", "ring", 2,
-     {"seed": 0, "batch": 1, "seq": 8, "dim": 16, "heads": 4, "input": "ids",
-      "body": [
-          {"op": "attention", "mask": "none", "kv_heads": 4, "residual": False, "norm": "none", "rope": False, "fused": False},
-      ],
-      "losses": [
-          {"kind": "pool", "pool": "mean", "head": "ce", "tap": -1, "coef": 1.0},
-      ]},
+    (
+        "mean-pool-ce",
+        "ring",
+        2,
+        {
+            "seed": 0,
+            "batch": 1,
+            "seq": 8,
+            "dim": 16,
+            "heads": 4,
+            "input": "ids",
+            "body": [
+                {
+                    "op": "attention",
+                    "mask": "none",
+                    "kv_heads": 4,
+                    "residual": False,
+                    "norm": "none",
+                    "rope": False,
+                    "fused": False,
+                },
+            ],
+            "losses": [
+                {"kind": "pool", "pool": "mean", "head": "ce", "tap": -1, "coef": 1.0},
+            ],
+        },
     ),
     # The same with hybrid at P=4: every gradient about 0.25x.
-    ("mean-pool-ce", "hybrid", 4,
-     {"seed": 0, "batch": 1, "seq": 8, "dim": 16, "heads": 4, "input": "ids",
-      "body": [
-          {"op": "attention", "mask": "none", "kv_heads": 4, "residual": False, "norm": "none", "rope": False, "fused": False},
-      ],
-      "losses": [
-          {"kind": "pool", "pool": "mean", "head": "ce", "tap": -1, "coef": 1.0},
-      ]},
+    (
+        "mean-pool-ce",
+        "hybrid",
+        4,
+        {
+            "seed": 0,
+            "batch": 1,
+            "seq": 8,
+            "dim": 16,
+            "heads": 4,
+            "input": "ids",
+            "body": [
+                {
+                    "op": "attention",
+                    "mask": "none",
+                    "kv_heads": 4,
+                    "residual": False,
+                    "norm": "none",
+                    "rope": False,
+                    "fused": False,
+                },
+            ],
+            "losses": [
+                {"kind": "pool", "pool": "mean", "head": "ce", "tap": -1, "coef": 1.0},
+            ],
+        },
     ),
     # Last-token reward-model style after GQA, RoPE and a boolean causal mask: loss 1.27818 vs 0.789441.
-    ("last-token-weighted-ce", "ulysses", 2,
-     {"seed": 1, "batch": 1, "seq": 4, "dim": 16, "heads": 4, "input": "ids",
-      "body": [
-          {"op": "attention", "mask": "bool_causal", "kv_heads": 2, "residual": True, "norm": "none", "rope": True, "fused": True},
-      ],
-      "losses": [
-          {"kind": "pool", "pool": "last", "head": "weighted_ce", "tap": -1, "coef": 1.0},
-      ]},
+    (
+        "last-token-weighted-ce",
+        "ulysses",
+        2,
+        {
+            "seed": 1,
+            "batch": 1,
+            "seq": 4,
+            "dim": 16,
+            "heads": 4,
+            "input": "ids",
+            "body": [
+                {
+                    "op": "attention",
+                    "mask": "bool_causal",
+                    "kv_heads": 2,
+                    "residual": True,
+                    "norm": "none",
+                    "rope": True,
+                    "fused": True,
+                },
+            ],
+            "losses": [
+                {"kind": "pool", "pool": "last", "head": "weighted_ce", "tap": -1, "coef": 1.0},
+            ],
+        },
     ),
     # The last token after a token shift (RWKV-style) into a regression: loss 0.0563 vs 0.0700, gradients 0.5x.
-    ("token-shift-last-mse", "ulysses", 2,
-     {"seed": 0, "batch": 1, "seq": 4, "dim": 16, "heads": 8, "input": "ids",
-      "body": [
-          {"op": "seq", "kind": "token_shift"},
-          {"op": "attention", "mask": "none", "kv_heads": 8, "residual": False, "norm": "none", "rope": False, "fused": False},
-      ],
-      "losses": [
-          {"kind": "pool", "pool": "last", "head": "mse", "tap": -1, "coef": 1.0},
-      ]},
+    (
+        "token-shift-last-mse",
+        "ulysses",
+        2,
+        {
+            "seed": 0,
+            "batch": 1,
+            "seq": 4,
+            "dim": 16,
+            "heads": 8,
+            "input": "ids",
+            "body": [
+                {"op": "seq", "kind": "token_shift"},
+                {
+                    "op": "attention",
+                    "mask": "none",
+                    "kv_heads": 8,
+                    "residual": False,
+                    "norm": "none",
+                    "rope": False,
+                    "fused": False,
+                },
+            ],
+            "losses": [
+                {"kind": "pool", "pool": "last", "head": "mse", "tap": -1, "coef": 1.0},
+            ],
+        },
     ),
     # Found with AUTOSP_FUZZ_BACKEND=inductor (aot_eager is right): on gloo, reduce_scatter returned a view at
     # a rank-dependent offset; Inductor's alignment assert on custom-op outputs fired on one rank, the other hung.
-    ("label-smoothing-inductor", "ulysses", 2,
-     {"seed": 0, "batch": 1, "seq": 4, "dim": 16, "heads": 4, "input": "ids",
-      "body": [
-          {"op": "attention", "mask": "none", "kv_heads": 4, "residual": False, "norm": "none", "rope": False, "fused": False},
-      ],
-      "losses": [
-          {"kind": "lm", "reduction": "mean", "smoothing": 0.1, "tap": -1, "coef": 1.0},
-      ]},
-     {"backend": "inductor"},
+    (
+        "label-smoothing-inductor",
+        "ulysses",
+        2,
+        {
+            "seed": 0,
+            "batch": 1,
+            "seq": 4,
+            "dim": 16,
+            "heads": 4,
+            "input": "ids",
+            "body": [
+                {
+                    "op": "attention",
+                    "mask": "none",
+                    "kv_heads": 4,
+                    "residual": False,
+                    "norm": "none",
+                    "rope": False,
+                    "fused": False,
+                },
+            ],
+            "losses": [
+                {"kind": "lm", "reduction": "mean", "smoothing": 0.1, "tap": -1, "coef": 1.0},
+            ],
+        },
+        {"backend": "inductor"},
     ),
 ]
 
@@ -94,8 +202,12 @@ def pools() -> Iterator[dict[int, SPMDPool]]:
 # Name -> why it still fails: a strict xfail keeps an open bug visible instead of silent.
 OPEN: dict[str, str] = {}
 PARAMS = [
-    pytest.param(*c[1:4], c[4] if len(c) > 4 else {}, id=f"{c[0]}-{c[1]}-P{c[2]}",
-                 marks=[pytest.mark.xfail(strict=True, reason=OPEN[c[0]])] if c[0] in OPEN else [])
+    pytest.param(
+        *c[1:4],
+        c[4] if len(c) > 4 else {},
+        id=f"{c[0]}-{c[1]}-P{c[2]}",
+        marks=[pytest.mark.xfail(strict=True, reason=OPEN[c[0]])] if c[0] in OPEN else [],
+    )
     for c in CASES
 ]
 

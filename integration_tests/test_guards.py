@@ -33,11 +33,15 @@ def test_recompile_limit_is_an_error_not_eager(faults):
     for rank, r in enumerate(faults):
         first, second, third = r["limit"]
         assert first["error"] is None and second["error"] is None, (rank, r["limit"])
-        msg = _error(third, "EagerFallback",
-                     r"recompile_limit=2\): this call \(input_ids \[2, 48\], labels \[2, 48\]\)",
-                     r"without sequence parallelism",
-                     r"earlier calls: input_ids \[2, 16\], labels \[2, 16\]; input_ids \[2, 32\], labels \[2, 32\]",
-                     re.escape("torch._dynamo.mark_dynamic(input_ids, 1)"), r"bucket lengths")
+        msg = _error(
+            third,
+            "EagerFallback",
+            r"recompile_limit=2\): this call \(input_ids \[2, 48\], labels \[2, 48\]\)",
+            r"without sequence parallelism",
+            r"earlier calls: input_ids \[2, 16\], labels \[2, 16\]; input_ids \[2, 32\], labels \[2, 32\]",
+            re.escape("torch._dynamo.mark_dynamic(input_ids, 1)"),
+            r"bucket lengths",
+        )
         assert third["seconds"] < FAST_S, third
         assert msg == faults[0]["limit"][2]["message"]
         # Hard failure only inside AutoSP's calls: Dynamo's global flag is left as it was.
@@ -48,12 +52,15 @@ def test_mismatched_shapes_and_lengths(faults):
     for key, other in (("shapes", r"\[1, 128\]"), ("lengths", r"\[2, 32\]")):
         messages = set()
         for r in faults:
-            messages.add(_error(
-                r[key], "InputMismatch",
-                rf"input_ids: rank 0: tensor \[2, 64\] int64 cpu; rank 1: tensor {other} int64 cpu",
-                rf"labels: rank 0: tensor \[2, 64\] int64 cpu; rank 1: tensor {other} int64 cpu",
-                r"same full-length batch",
-            ))
+            messages.add(
+                _error(
+                    r[key],
+                    "InputMismatch",
+                    rf"input_ids: rank 0: tensor \[2, 64\] int64 cpu; rank 1: tensor {other} int64 cpu",
+                    rf"labels: rank 0: tensor \[2, 64\] int64 cpu; rank 1: tensor {other} int64 cpu",
+                    r"same full-length batch",
+                )
+            )
             assert r[key]["seconds"] < FAST_S, r[key]
         assert len(messages) == 1, messages  # the same error on every rank
     # The ranks stayed in step: a good call after the errors runs and agrees on the loss.
@@ -63,8 +70,12 @@ def test_mismatched_shapes_and_lengths(faults):
 def test_mismatched_tokens_need_hash(faults):
     for r in faults:
         assert r["tokens_shapes_mode"]["error"] is None  # shapes agree: the default check passes
-        _error(r["tokens_hash"], "InputMismatch", r"input_ids \(tensor \[2, 64\] int64 cpu\): different contents: "
-               r"rank 0 / rank 1")
+        _error(
+            r["tokens_hash"],
+            "InputMismatch",
+            r"input_ids \(tensor \[2, 64\] int64 cpu\): different contents: "
+            r"rank 0 / rank 1",
+        )
         assert "labels" not in r["tokens_hash"]["message"]  # same labels on both ranks
         assert r["same_hash"]["error"] is None, r["same_hash"]
     assert faults[0]["same_hash"]["loss"] == faults[1]["same_hash"]["loss"]
@@ -72,8 +83,11 @@ def test_mismatched_tokens_need_hash(faults):
 
 def test_backend_used_directly_checks_inside_the_graph(faults):
     for r in faults:
-        _error(r["backend_shapes"], "InputMismatch",
-               r"input_ids: rank 0: tensor \[2, 64\] int64 cpu; rank 1: tensor \[1, 128\] int64 cpu")
+        _error(
+            r["backend_shapes"],
+            "InputMismatch",
+            r"input_ids: rank 0: tensor \[2, 64\] int64 cpu; rank 1: tensor \[1, 128\] int64 cpu",
+        )
 
 
 def test_rank_that_raises_and_stays_alive():
@@ -81,8 +95,14 @@ def test_rank_that_raises_and_stays_alive():
     assert r0["group_timeouts"] == r1["group_timeouts"] == [120.0, TIMEOUT_S]
     assert set(r1) == {"group_timeouts"}
     for key, where in (("check", "the input check"), ("program", "a collective of the SP program")):
-        msg = _error(r0[key], "CollectiveFailure", rf"global rank 0: {where}", r"global ranks \[0, 1\]",
-                     rf"within the group's timeout \({TIMEOUT_S:g} s\)", r"raised an error, exited or hangs")
+        msg = _error(
+            r0[key],
+            "CollectiveFailure",
+            rf"global rank 0: {where}",
+            r"global ranks \[0, 1\]",
+            rf"within the group's timeout \({TIMEOUT_S:g} s\)",
+            r"raised an error, exited or hangs",
+        )
         assert "Timed out" in msg
         # Bounded by the SP group's timeout, not gloo's 30 minutes.
         assert TIMEOUT_S * 0.9 <= r0[key]["seconds"] < TIMEOUT_S + FAST_S, r0[key]

@@ -28,7 +28,11 @@ ROWS: dict[Row, str | None] = {
 
 
 def _result(loss: float, grad: float, logit: float = 0.5) -> dict:
-    return {"loss": torch.tensor(loss), "logits": torch.tensor([[logit, 1.0]]), "grads": {"w": torch.tensor([grad, 1.0])}}
+    return {
+        "loss": torch.tensor(loss),
+        "logits": torch.tensor([[logit, 1.0]]),
+        "grads": {"w": torch.tensor([grad, 1.0])},
+    }
 
 
 def _rank(ref: dict, sp: dict) -> dict:

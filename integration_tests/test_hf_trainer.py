@@ -44,13 +44,23 @@ def _check(ranks: list[dict], run: str, ref: dict, world: int) -> None:
         # AutoSP really ran: its attention exchange and gradient all-reduce are in the program.
         assert got["report"]["world"] == world and got["report"]["sites"] == 1
         assert got["report"]["collectives"]["all_to_all"] >= 1 and got["report"]["collectives"]["grad_all_reduce"]
-        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=1e-4, atol=0,
-                                   msg=lambda m, r=rank: f"rank {r}, {run}: logged losses differ from 1 process: {m}")
+        torch.testing.assert_close(
+            torch.tensor(got["losses"]),
+            torch.tensor(ref["losses"]),
+            rtol=1e-4,
+            atol=0,
+            msg=lambda m, r=rank: f"rank {r}, {run}: logged losses differ from 1 process: {m}",
+        )
         for name, w in got["weights"].items():
             # 4 AdamW steps at lr 1e-2 turn last-bit gradient differences into weight differences
             # up to ~1e-5 where a gradient is near zero (Adam normalises it); a wrong gradient is off by ~lr.
-            torch.testing.assert_close(w, ref["weights"][name], rtol=1e-3, atol=1e-4,
-                                       msg=lambda m, r=rank, n=name: f"rank {r}, {run}, {n}: {m}")
+            torch.testing.assert_close(
+                w,
+                ref["weights"][name],
+                rtol=1e-3,
+                atol=1e-4,
+                msg=lambda m, r=rank, n=name: f"rank {r}, {run}, {n}: {m}",
+            )
             assert torch.equal(w, ranks[0][run]["weights"][name]), f"rank {rank}, {run}: {name} differs from rank 0"
 
 

@@ -47,7 +47,6 @@ def test_two_ranks():
     check(2, "ring", [SDPA_CASE, WRITTEN_CASE])
 
 
-@pytest.mark.parametrize(("variant", "options"), [("ulysses", None), ("ring", None),
-                                                  ("hybrid", {"ulysses_degree": 2})])
+@pytest.mark.parametrize(("variant", "options"), [("ulysses", None), ("ring", None), ("hybrid", {"ulysses_degree": 2})])
 def test_four_ranks(variant, options):
     check(4, variant, [SDPA_CASE], options)

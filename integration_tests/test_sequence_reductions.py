@@ -18,8 +18,9 @@ REFS: dict[tuple[str, int], dict] = {}
 RING_NAMES = [n for n in NAMES if n != "cumsum"]
 
 
-def check(world: int, backend: str, variant: str, names: list[str] = NAMES, options: dict | None = None,
-          seq: int = 16) -> None:
+def check(
+    world: int, backend: str, variant: str, names: list[str] = NAMES, options: dict | None = None, seq: int = 16
+) -> None:
     for name in names:
         if (name, seq) not in REFS:
             REFS[name, seq] = reference(name, seq)
@@ -30,8 +31,9 @@ def check(world: int, backend: str, variant: str, names: list[str] = NAMES, opti
             where = f"{name} {variant} P={world} {backend} rank {rank}"
             torch.testing.assert_close(got["loss"], ref["loss"], rtol=1e-5, atol=1e-6, msg=f"{where}: loss")
             for pname, g in ref["grads"].items():
-                torch.testing.assert_close(got["grads"][pname], g, rtol=1e-4, atol=1e-6,
-                                           msg=f"{where}: grad of {pname}")
+                torch.testing.assert_close(
+                    got["grads"][pname], g, rtol=1e-4, atol=1e-6, msg=f"{where}: grad of {pname}"
+                )
 
 
 def test_two_ranks_aot_eager_ulysses():

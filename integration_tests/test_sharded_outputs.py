@@ -21,5 +21,6 @@ def test_logits_as_dtensor(variant: str, world: int) -> None:
         for name, g in ref["grads"].items():
             torch.testing.assert_close(got["grads"][name], g, rtol=1e-4, atol=1e-6, msg=f"{where}: grad {name}")
         assert any("outputs='sharded'" in o for o in got["outputs"]), got["outputs"]
-        assert any("outputs gathered whole" in n and "outputs='sharded'" in n for n in got["whole_notes"]), (
-            got["whole_notes"])
+        assert any("outputs gathered whole" in n and "outputs='sharded'" in n for n in got["whole_notes"]), got[
+            "whole_notes"
+        ]

@@ -36,9 +36,23 @@ def test_inputs_or_parameters_that_differ_between_ranks_are_refused(ranks):
 
 
 def test_dropped_all_reduce_is_caught(ranks):
-    params = {"embed.weight", "cls.weight", "cls.bias"} | {f"block.{n}" for n in (
-        "ln1.weight", "ln1.bias", "ln2.weight", "ln2.bias", "qkv.weight", "qkv.bias", "proj.weight", "proj.bias",
-        "fc.weight", "fc.bias", "out.weight", "out.bias")}
+    params = {"embed.weight", "cls.weight", "cls.bias"} | {
+        f"block.{n}"
+        for n in (
+            "ln1.weight",
+            "ln1.bias",
+            "ln2.weight",
+            "ln2.bias",
+            "qkv.weight",
+            "qkv.bias",
+            "proj.weight",
+            "proj.bias",
+            "fc.weight",
+            "fc.bias",
+            "out.weight",
+            "out.bias",
+        )
+    }
     for out in ranks:
         broken = out["broken"]
         assert broken["hits"] > 0, "the patch never ran: the pooled mean no longer reaches collectives.all_reduce"

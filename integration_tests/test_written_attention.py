@@ -35,8 +35,9 @@ CASES = {
 }
 
 
-def check(world: int, backend: str, variant: str, cases: list[tuple], seq: int = 16,
-          expect: dict[tuple, tuple] | None = None) -> None:
+def check(
+    world: int, backend: str, variant: str, cases: list[tuple], seq: int = 16, expect: dict[tuple, tuple] | None = None
+) -> None:
     expect = CASES if expect is None else expect
     for case in cases:
         if (case, seq) not in REFS:
@@ -62,8 +63,12 @@ def test_two_ranks_ulysses():
 
 def test_two_ranks_ring():
     # Ring tiles the mask the model builds (nanoGPT's tril buffer, GPT-2's padding) block by block.
-    expect = {("nano", "none", 4, False): (2, REWRITTEN), ("gpt2", "none", 4, True): (2, REWRITTEN),
-              ("sdpa", "between", 2, False): (2, None), ("cross", "none", 4, False): (4, "cross-attention")}
+    expect = {
+        ("nano", "none", 4, False): (2, REWRITTEN),
+        ("gpt2", "none", 4, True): (2, REWRITTEN),
+        ("sdpa", "between", 2, False): (2, None),
+        ("cross", "none", 4, False): (4, "cross-attention"),
+    }
     check(2, "aot_eager", "ring", list(expect), expect=expect)
 
 
@@ -74,11 +79,17 @@ def test_three_ranks_heads_not_divisible():
 
 
 def test_four_ranks_ulysses():
-    check(4, "aot_eager", "ulysses", [("gpt2", "none", 4, True), ("sdpa", "before_head", 2, False),
-                                      ("cross", "none", 4, False)])
+    check(
+        4,
+        "aot_eager",
+        "ulysses",
+        [("gpt2", "none", 4, True), ("sdpa", "before_head", 2, False), ("cross", "none", 4, False)],
+    )
 
 
-@pytest.mark.parametrize(("variant", "case"), [("ulysses", ("hf_eager", "checkpoint", 2, False)),
-                                               ("ring", ("sdpa", "before_head", 2, False))])
+@pytest.mark.parametrize(
+    ("variant", "case"),
+    [("ulysses", ("hf_eager", "checkpoint", 2, False)), ("ring", ("sdpa", "before_head", 2, False))],
+)
 def test_two_ranks_inductor(variant, case):
     check(2, "inductor", variant, [case])

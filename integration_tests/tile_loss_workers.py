@@ -16,8 +16,9 @@ def run(rank: int, world: int, runs: list[tuple[str, str, Any]], batch: dict[str
     for name, backend, tile in runs:
         torch._dynamo.reset()  # the same code compiled per setting: stay under Dynamo's recompile limit
         model = cases.build(name)
-        compiled = autosp.compile(model, backend=backend, fullgraph=True, tile_loss=tile,
-                                  sp_size=world if world > 1 else None)
+        compiled = autosp.compile(
+            model, backend=backend, fullgraph=True, tile_loss=tile, sp_size=world if world > 1 else None
+        )
         with cases.caches_off():  # a cache hit would skip the passes, and the report with them
             res = cases.step(compiled, name, batch)
         report = compiled.autosp_reports[0]

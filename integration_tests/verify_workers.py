@@ -52,8 +52,10 @@ def correct_and_bad_input(rank: int, ids: torch.Tensor, labels: torch.Tensor) ->
     rng = torch.get_rng_state()
     report = autosp.verify(llama, ids, labels, backend="aot_eager")
     out: dict[str, Any] = {
-        "llama": report, "llama_untouched": _untouched(llama, before),
-        "rng_untouched": torch.equal(rng, torch.get_rng_state()), "params": sum(1 for _ in llama.parameters()),
+        "llama": report,
+        "llama_untouched": _untouched(llama, before),
+        "rng_untouched": torch.equal(rng, torch.get_rng_state()),
+        "params": sum(1 for _ in llama.parameters()),
     }
     # Different inputs, or differently seeded parameters, on the two ranks: refused before anything runs.
     e = _raises(autosp.verify, llama, (ids + rank) % 96, labels)
@@ -90,7 +92,8 @@ def first_call_only(ids: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
     ref_loss = reference(ids, y)
     ref_loss.backward()
     return {
-        "calls": (after_first, after_second), "graphs": len(compiled.autosp_reports),
+        "calls": (after_first, after_second),
+        "graphs": len(compiled.autosp_reports),
         "loss": (loss.detach(), ref_loss.detach()),
         "grads": (grads, {n: p.grad for n, p in reference.named_parameters()}),
     }
@@ -119,8 +122,11 @@ def broken_rule(ids: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
         collectives.all_reduce = real
         os.environ.pop("AUTOSP_VERIFY", None)
     return {
-        "hits": len(hits), "error": e if isinstance(e, VerificationError) else repr(e),
-        "armed": [type(a).__name__ for a in armed], "user_ran": any(user_calls), "untouched": _untouched(model, before),
+        "hits": len(hits),
+        "error": e if isinstance(e, VerificationError) else repr(e),
+        "armed": [type(a).__name__ for a in armed],
+        "user_ran": any(user_calls),
+        "untouched": _untouched(model, before),
     }
 
 

@@ -20,8 +20,21 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-TINY = ["--model-size", "tiny", "--model-impl", "builtin", "--seq-len", "64", "--batch-size", "2", "--steps", "6",
-        "--seed", "5", "--quiet"]
+TINY = [
+    "--model-size",
+    "tiny",
+    "--model-impl",
+    "builtin",
+    "--seq-len",
+    "64",
+    "--batch-size",
+    "2",
+    "--steps",
+    "6",
+    "--seed",
+    "5",
+    "--quiet",
+]
 SP = TINY + ["--sp-size", "2", "--backend", "eager"]
 ONE = TINY + ["--sp-size", "1", "--nproc", "1", "--backend", "none"]
 
@@ -32,8 +45,9 @@ def cli(argv: list[str], fault: str | None = None) -> tuple[int, str, float, flo
     if fault:
         env["AUTOSP_FAULT"] = fault
     start = time.time()
-    done = subprocess.run([sys.executable, "-m", "autosp_tools.train", *argv], env=env, capture_output=True,
-                          text=True, timeout=900)
+    done = subprocess.run(
+        [sys.executable, "-m", "autosp_tools.train", *argv], env=env, capture_output=True, text=True, timeout=900
+    )
     end = time.time()
     fired = re.search(r"AUTOSP_FAULT: \w+ on rank \d+ in step \d+ at unix time ([\d.]+)", done.stderr)
     errors = [line for line in done.stderr.splitlines() if line.startswith("autosp-train: error:")]
@@ -82,10 +96,16 @@ def rows(timeout: int, tmp: Path) -> list[tuple[str, list[str], str | None]]:
         return ["--checkpoint-dir", str(d)]
 
     return [
-        ("truncated latest checkpoint, --resume",
-         ONE + checkpoints("trunc", lambda p: p.write_bytes(p.read_bytes()[:5000])) + ["--resume"], None),
-        ("empty latest checkpoint, --resume", ONE + checkpoints("empty", lambda p: p.write_bytes(b"")) + ["--resume"],
-         None),
+        (
+            "truncated latest checkpoint, --resume",
+            ONE + checkpoints("trunc", lambda p: p.write_bytes(p.read_bytes()[:5000])) + ["--resume"],
+            None,
+        ),
+        (
+            "empty latest checkpoint, --resume",
+            ONE + checkpoints("empty", lambda p: p.write_bytes(b"")) + ["--resume"],
+            None,
+        ),
         ("64 flipped bytes in tensor data, --resume", ONE + checkpoints("flip", flip) + ["--resume"], None),
         ("64 flipped bytes, --resume auto", ONE + checkpoints("flip2", flip) + ["--resume", "auto"], None),
         ("stale .tmp left by a crash mid-save", ONE + stale(tmp / "stale") + ["--resume", "auto"], None),
@@ -96,8 +116,18 @@ def rows(timeout: int, tmp: Path) -> list[tuple[str, list[str], str | None]]:
         ("rank stuck inside a step", SP + t, "1:3:hang"),
         ("half-dead rank (SIGSTOP)", SP + t, "1:3:stop"),
         ("every rank stuck (no collective waiting)", SP + t, "*:3:hang"),
-        *[(f"`{flag}`", ONE + flag.split(), None) for flag in
-          ("--heads 0", "--dim 0", "--layers 0", "--nproc 0", "--min-lr-ratio -1", "--warmup -5", "--grad-clip -1")],
+        *[
+            (f"`{flag}`", ONE + flag.split(), None)
+            for flag in (
+                "--heads 0",
+                "--dim 0",
+                "--layers 0",
+                "--nproc 0",
+                "--min-lr-ratio -1",
+                "--warmup -5",
+                "--grad-clip -1",
+            )
+        ],
         ("empty data file", ONE + ["--data", str(empty)], None),
         ("--checkpoint-dir is a file", ONE + ["--checkpoint-dir", str(a_file)], None),
         ("--seq-len 63 with --sp-size 2", TINY + ["--seq-len", "63", "--sp-size", "2"], None),

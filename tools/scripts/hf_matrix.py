@@ -29,16 +29,22 @@ def table(results: list[tuple[Row, Outcome]]) -> str:
     lines = ["| model | variant | checkpointing | run | result | time (s) |", "|---|---|---|---|---|---|"]
     for row, out in results:
         short = out.cell() if out.kind != "bug" else out.cell().split("\n")[0][:300]
-        lines.append(f"| {row.model} | {row.variant} | {'on' if row.checkpointing else 'off'} | {row.mode} "
-                     f"| {short} | {out.seconds:.1f} |")
+        lines.append(
+            f"| {row.model} | {row.variant} | {'on' if row.checkpointing else 'off'} | {row.mode} "
+            f"| {short} | {out.seconds:.1f} |"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sp", type=int, default=2, help="ranks of the SP group (default 2)")
-    ap.add_argument("--only", nargs="*", default=[],
-                    help="run only rows whose 'model | variant | checkpointing on/off | mode' contains one of these")
+    ap.add_argument(
+        "--only",
+        nargs="*",
+        default=[],
+        help="run only rows whose 'model | variant | checkpointing on/off | mode' contains one of these",
+    )
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds a row may take before it counts as a hang")
     ap.add_argument("--backend", default="aot_eager", help="inner compiler given to autosp.compile")
     args = ap.parse_args(argv)
@@ -53,16 +59,23 @@ def main(argv: list[str] | None = None) -> int:
         for row in rows:
             out = check_row(pool, row, backend=args.backend, timeout_s=args.timeout)
             results.append((row, out))
-            print(f"[{len(results)}/{len(rows)}] {row.label()}: {out.kind} ({out.seconds:.1f} s)", file=sys.stderr,
-                  flush=True)
+            print(
+                f"[{len(results)}/{len(rows)}] {row.label()}: {out.kind} ({out.seconds:.1f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
     print(table(results))
-    print(f"\n{len(rows)} rows at sp={args.sp}, backend {args.backend}, {time.perf_counter() - start:.0f} s in all; "
-          + ", ".join(f"{sum(o.kind == k for _, o in results)} {k}" for k in ("exact", "refused", "bug")))
+    print(
+        f"\n{len(rows)} rows at sp={args.sp}, backend {args.backend}, {time.perf_counter() - start:.0f} s in all; "
+        + ", ".join(f"{sum(o.kind == k for _, o in results)} {k}" for k in ("exact", "refused", "bug"))
+    )
     for row, out in results:
         if out.kind != "exact":
             print(f"\n### {row.label()}: {out.kind}\n\n```\n{out.detail}\n```")
         elif out.gathered:
-            print(f"\n### {row.label()}: exact, with inputs gathered for\n\n" + "\n".join(f"- {g}" for g in out.gathered))
+            print(
+                f"\n### {row.label()}: exact, with inputs gathered for\n\n" + "\n".join(f"- {g}" for g in out.gathered)
+            )
     return 1 if any(o.kind == "bug" for _, o in results) else 0
 
 

@@ -48,11 +48,23 @@ def main() -> int:
                     continue
                 rs, rp = p["saved_bytes"] / m["saved_bytes"], p["peak_bytes"] / m["peak_bytes"]
                 bad += abs(rs - 1) > SAVED_TOL or abs(rp - 1) > PEAK_TOL
-                rows.append({"sp": sp, "seq": seq, "sac": sac, "predicted": p, "measured": m,
-                             "saved_ratio": rs, "peak_ratio": rp, "seconds": time.perf_counter() - start})
-                print(f"| {sp} | {seq} | {sac} | {p['saved_bytes'] / 2**20:.2f} | {m['saved_bytes'] / 2**20:.2f} | "
-                      f"{rs:.3f} | {p['peak_bytes'] / 2**20:.2f} | {m['peak_bytes'] / 2**20:.2f} | {rp:.3f} |",
-                      flush=True)
+                rows.append(
+                    {
+                        "sp": sp,
+                        "seq": seq,
+                        "sac": sac,
+                        "predicted": p,
+                        "measured": m,
+                        "saved_ratio": rs,
+                        "peak_ratio": rp,
+                        "seconds": time.perf_counter() - start,
+                    }
+                )
+                print(
+                    f"| {sp} | {seq} | {sac} | {p['saved_bytes'] / 2**20:.2f} | {m['saved_bytes'] / 2**20:.2f} | "
+                    f"{rs:.3f} | {p['peak_bytes'] / 2**20:.2f} | {m['peak_bytes'] / 2**20:.2f} | {rp:.3f} |",
+                    flush=True,
+                )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=2)

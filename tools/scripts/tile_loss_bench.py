@@ -43,12 +43,26 @@ def _rank(rank: int, args: argparse.Namespace, tile: Any, store: str, out: str) 
     from autosp.testing import Config, LlamaLike
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store, args.sp), rank=rank, world_size=args.sp,
-                            timeout=datetime.timedelta(minutes=30))
+    dist.init_process_group(
+        "gloo",
+        store=dist.FileStore(store, args.sp),
+        rank=rank,
+        world_size=args.sp,
+        timeout=datetime.timedelta(minutes=30),
+    )
     try:
         torch.manual_seed(0)
-        model = LlamaLike(Config(vocab=args.vocab, dim=args.dim, heads=4, kv_heads=2, layers=args.layers,
-                                 hidden=2 * args.dim, max_len=args.seq))
+        model = LlamaLike(
+            Config(
+                vocab=args.vocab,
+                dim=args.dim,
+                heads=4,
+                kv_heads=2,
+                layers=args.layers,
+                hidden=2 * args.dim,
+                max_len=args.seq,
+            )
+        )
         ids = torch.randint(0, args.vocab, (1, args.seq), generator=torch.Generator().manual_seed(1))
         compiled = autosp.compile(model, sp_size=args.sp, backend=args.backend, tile_loss=tile, sac=False)
         compiled(ids, ids).backward()  # compile
@@ -59,8 +73,12 @@ def _rank(rank: int, args: argparse.Namespace, tile: Any, store: str, out: str) 
         loss.backward()
         peak = _status("VmHWM") - before
         notes = [n for n in compiled.autosp_reports[0].notes if n.startswith("tile_loss")]
-        result = {"loss": loss.detach(), "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
-                  "peak": peak, "notes": notes}
+        result = {
+            "loss": loss.detach(),
+            "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
+            "peak": peak,
+            "notes": notes,
+        }
         Path(out, f"{rank}.pkl").write_bytes(pickle.dumps(result))
     finally:
         dist.destroy_process_group()
@@ -70,8 +88,9 @@ def run(args: argparse.Namespace, tile: Any) -> list[dict]:
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_rank, args=(args, tile, os.path.join(tmp, "store"), tmp), nprocs=args.sp,
-                           start_method="spawn", join=True)
+        mp.start_processes(
+            _rank, args=(args, tile, os.path.join(tmp, "store"), tmp), nprocs=args.sp, start_method="spawn", join=True
+        )
         return [pickle.loads(Path(tmp, f"{r}.pkl").read_bytes()) for r in range(args.sp)]
 
 
@@ -93,17 +112,23 @@ def main(argv: list[str] | None = None) -> int:
     off, on = run(args, False), run(args, True)
     local = args.seq // args.sp
     logits = local * args.vocab * 4
-    print(f"vocab {args.vocab}, S={args.seq}, sp={args.sp}, dim {args.dim}, {args.layers} layer(s), fp32, "
-          f"{args.backend}; [{local}, {args.vocab}] fp32 logits per rank = {logits / MiB:.0f} MiB")
+    print(
+        f"vocab {args.vocab}, S={args.seq}, sp={args.sp}, dim {args.dim}, {args.layers} layer(s), fp32, "
+        f"{args.backend}; [{local}, {args.vocab}] fp32 logits per rank = {logits / MiB:.0f} MiB"
+    )
     print(on[0]["notes"][0] if on[0]["notes"] else "tile_loss: no note")
-    print("\n| rank | peak MiB, tile_loss=False | peak MiB, tile_loss=True | saved MiB | saved / logits | "
-          "loss off | loss on | max grad diff |")
+    print(
+        "\n| rank | peak MiB, tile_loss=False | peak MiB, tile_loss=True | saved MiB | saved / logits | "
+        "loss off | loss on | max grad diff |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r, (a, b) in enumerate(zip(off, on)):
         diff = max(float((a["grads"][n] - b["grads"][n]).abs().max()) for n in a["grads"])
         saved = a["peak"] - b["peak"]
-        print(f"| {r} | {a['peak'] / MiB:.0f} | {b['peak'] / MiB:.0f} | {saved / MiB:.0f} | {saved / logits:.2f} | "
-              f"{a['loss'].item():.7f} | {b['loss'].item():.7f} | {diff:.2e} |")
+        print(
+            f"| {r} | {a['peak'] / MiB:.0f} | {b['peak'] / MiB:.0f} | {saved / MiB:.0f} | {saved / logits:.2f} | "
+            f"{a['loss'].item():.7f} | {b['loss'].item():.7f} | {diff:.2e} |"
+        )
         torch.testing.assert_close(b["loss"], a["loss"], rtol=1e-6, atol=1e-6)
     return 0
 

@@ -11,8 +11,24 @@ from autosp_tools.bench import run
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # Eager methods only, so nothing compiles: the run stays well under a minute.
-TINY = ["--quick", "--methods", "eager,ulysses", "--seq-lens", "16,32", "--batch-size", "1", "--warmup", "0",
-        "--steps", "1", "--search-max", "64", "--mem-budget-mb", "0.5", "--no-progress"]
+TINY = [
+    "--quick",
+    "--methods",
+    "eager,ulysses",
+    "--seq-lens",
+    "16,32",
+    "--batch-size",
+    "1",
+    "--warmup",
+    "0",
+    "--steps",
+    "1",
+    "--search-max",
+    "64",
+    "--mem-budget-mb",
+    "0.5",
+    "--no-progress",
+]
 
 
 @pytest.fixture(scope="module")

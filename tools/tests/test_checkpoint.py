@@ -75,8 +75,12 @@ def test_damage_is_named_with_the_newest_good(three: Path, harm, why: str) -> No
     assert checkpoint.problem(checkpoint.path_for(three, 2)) is None
     assert checkpoint.newest_good(three) == checkpoint.path_for(three, 2)
     expected = rf"checkpoint {bad} {why}.*the newest good checkpoint is {checkpoint.path_for(three, 2)}"
-    for attempt in (lambda: checkpoint.load(bad), lambda: checkpoint.load_meta(bad),
-                    lambda: checkpoint.resolve("latest", str(three)), lambda: checkpoint.resolve(str(three), None)):
+    for attempt in (
+        lambda: checkpoint.load(bad),
+        lambda: checkpoint.load_meta(bad),
+        lambda: checkpoint.resolve("latest", str(three)),
+        lambda: checkpoint.resolve(str(three), None),
+    ):
         with pytest.raises(checkpoint.CheckpointError, match=expected):
             attempt()
     resolved = checkpoint.resolve("auto", str(three))
@@ -98,8 +102,11 @@ def test_resolve_auto_starts_fresh_only_when_there_is_nothing(tmp_path: Path) ->
 
 
 def test_clean_stale_removes_what_an_interrupted_save_left(three: Path) -> None:
-    leftovers = [three / "step_00000004.pt.123.tmp", three / "step_00000004.pt.sha256.123.tmp",
-                 three / "step_00000005.pt.sha256"]
+    leftovers = [
+        three / "step_00000004.pt.123.tmp",
+        three / "step_00000004.pt.sha256.123.tmp",
+        three / "step_00000005.pt.sha256",
+    ]
     for p in leftovers:
         p.write_text("x")
     mine = three / "notes.tmp"  # not ours: kept

@@ -81,8 +81,30 @@ def test_every_problem_is_listed_at_once() -> None:
 
 
 def test_given_values_are_kept() -> None:
-    cfg = config(["--sp-size", "1", "--heads", "2", "--kv-heads", "1", "--dim", "32", "--layers", "1",
-                  "--hidden", "48", "--warmup", "0", "--grad-clip", "0", "--min-lr-ratio", "0", "--timeout", "2.5"])
+    cfg = config(
+        [
+            "--sp-size",
+            "1",
+            "--heads",
+            "2",
+            "--kv-heads",
+            "1",
+            "--dim",
+            "32",
+            "--layers",
+            "1",
+            "--hidden",
+            "48",
+            "--warmup",
+            "0",
+            "--grad-clip",
+            "0",
+            "--min-lr-ratio",
+            "0",
+            "--timeout",
+            "2.5",
+        ]
+    )
     m = cfg.model
     assert (m.dim, m.layers, m.heads, m.kv_heads, m.hidden) == (32, 1, 2, 1, 48)
     assert (cfg.warmup, cfg.grad_clip, cfg.min_lr_ratio, cfg.timeout) == (0, 0.0, 0.0, 2.5)

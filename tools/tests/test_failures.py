@@ -10,8 +10,10 @@ from autosp_tools.failures import Record, death, diagnose, is_comm_error, stalle
 from autosp_tools.heartbeat import BETWEEN, DONE, IN_STEP, SETUP, RankBeat
 from autosp_tools.timeouts import COMPILE_GRACE_S
 
-RESET = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:1: "
-         "Connection reset by peer.")
+RESET = (
+    "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:1: "
+    "Connection reset by peer."
+)
 TIMED_OUT = "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 8000ms for recv"
 
 
@@ -52,10 +54,17 @@ def test_a_vanished_rank_outranks_the_resets_it_caused() -> None:
 
 
 def test_the_silent_rank_is_named_when_its_peers_time_out() -> None:
-    text = diagnose({0: rec(0, 20.0, TIMED_OUT), 2: rec(2, 20.2, TIMED_OUT)}, {0: 1, 1: None, 2: 1},
-                    [beat(4), beat(4, since=9.0), beat(4)], 8, 21.0)
-    assert text.startswith("rank 1 stopped responding in step 4: it is alive but has sent no heartbeat for 12 s, "
-                           "and rank(s) 0, 2 gave up waiting for it in a collective (--timeout 8 s)")
+    text = diagnose(
+        {0: rec(0, 20.0, TIMED_OUT), 2: rec(2, 20.2, TIMED_OUT)},
+        {0: 1, 1: None, 2: 1},
+        [beat(4), beat(4, since=9.0), beat(4)],
+        8,
+        21.0,
+    )
+    assert text.startswith(
+        "rank 1 stopped responding in step 4: it is alive but has sent no heartbeat for 12 s, "
+        "and rank(s) 0, 2 gave up waiting for it in a collective (--timeout 8 s)"
+    )
 
 
 def test_only_comm_errors_blame_the_earliest() -> None:
@@ -70,7 +79,8 @@ def test_exit_codes_in_words() -> None:
     assert death(0) == "exited (code 0) before finishing"
     # A rank that exits 0 before it said it was done has failed too.
     assert diagnose({}, {0: None, 1: 0}, [beat(2), beat(2, phase=BETWEEN)], 8, 3.0).startswith(
-        "rank 1 exited (code 0) before finishing, after step 2")
+        "rank 1 exited (code 0) before finishing, after step 2"
+    )
 
 
 def test_watchdog_limits() -> None:

@@ -25,8 +25,9 @@ def _rows(loader: DataLoader) -> list[list[int]]:
 
 def _prepared(rank: int, dataset: object, **kwargs: object) -> DataLoader:
     base = DataLoader(dataset, batch_size=2, **kwargs)  # type: ignore[arg-type]
-    return prepare_data_loader(base, num_processes=WORLD, process_index=rank, put_on_device=False,
-                               use_seedable_sampler=True, data_seed=3)
+    return prepare_data_loader(
+        base, num_processes=WORLD, process_index=rank, put_on_device=False, use_seedable_sampler=True, data_seed=3
+    )
 
 
 class Stream(IterableDataset):
@@ -56,8 +57,9 @@ def test_sp_ranks_read_the_same_rows_and_dp_replicas_split_them(kind):
 def test_dispatching_loader_is_refused_with_what_to_set():
     # Trainer's default for an iterable dataset: rank 0 reads and scatters slices over all processes.
     base = DataLoader(Stream(), batch_size=2)
-    loader = prepare_data_loader(base, device=torch.device("cpu"), num_processes=1, process_index=0,
-                                 put_on_device=True, dispatch_batches=True)
+    loader = prepare_data_loader(
+        base, device=torch.device("cpu"), num_processes=1, process_index=0, put_on_device=True, dispatch_batches=True
+    )
     with pytest.raises(UnsupportedLoader, match="dispatch_batches': False"):
         shard_over_dp(loader, 0, 1)
 

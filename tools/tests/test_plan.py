@@ -35,8 +35,16 @@ def test_layer_scaling_matches_the_whole_model():
     """Compiling 1 and 2 layers and scaling to 4 gives what compiling all 4 gives."""
     seq = 1024
     whole = predict(Case(replace(TINY, layers=4), seq=seq, sp=2, sac=True))
-    p = plan(lambda layers: shipped_model(layers, TINY), layers=4, gpus=2, hardware="h100-80gb", dtype="fp32",
-             seq=seq, zero=0, modes=[Mode("on", "ulysses", True, backend="aot_eager")])
+    p = plan(
+        lambda layers: shipped_model(layers, TINY),
+        layers=4,
+        gpus=2,
+        hardware="h100-80gb",
+        dtype="fp32",
+        seq=seq,
+        zero=0,
+        modes=[Mode("on", "ulysses", True, backend="aot_eager")],
+    )
     assert p.compiled_layers == [1, 2]
     (e,) = p.estimates
     assert e.saved_bytes == pytest.approx(whole["saved_bytes"], rel=0.01)

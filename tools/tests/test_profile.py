@@ -42,13 +42,16 @@ def test_two_ranks_write_a_profile_that_compiles_use(tmp_path, capsys):
     assert f"hardware profile: this-box (from {out}; autosp-profile on" in text
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--nproc", "0"], "--nproc 0: must be >= 1"),
-    (["--sizes", "4Q"], "give bytes like 4096, 64K, 1M"),
-    (["--dtypes", "int8"], "not a floating torch dtype"),
-    (["--attention", "128,2"], "three positive ints"),
-    (["--device", "cuda"], None),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--nproc", "0"], "--nproc 0: must be >= 1"),
+        (["--sizes", "4Q"], "give bytes like 4096, 64K, 1M"),
+        (["--dtypes", "int8"], "not a floating torch dtype"),
+        (["--attention", "128,2"], "three positive ints"),
+        (["--device", "cuda"], None),
+    ],
+)
 def test_bad_flags_are_usage_errors(argv, message, capsys):
     if argv == ["--device", "cuda"] and torch.cuda.is_available():
         pytest.skip("a GPU is visible, so --device cuda is valid here")

@@ -10,8 +10,27 @@ from autosp_tools import sac_bench
 def test_tiny_run_writes_table_json_and_plot(tmp_path):
     out = tmp_path / "sac"
     rows = sac_bench.run(
-        ["--lengths", "64,128", "--sp", "1", "--layers", "1", "--dim", "32", "--heads", "4", "--kv-heads", "2",
-         "--steps", "1", "--backend", "aot_eager", "--no-deepspeed", "--out", str(out)]
+        [
+            "--lengths",
+            "64,128",
+            "--sp",
+            "1",
+            "--layers",
+            "1",
+            "--dim",
+            "32",
+            "--heads",
+            "4",
+            "--kv-heads",
+            "2",
+            "--steps",
+            "1",
+            "--backend",
+            "aot_eager",
+            "--no-deepspeed",
+            "--out",
+            str(out),
+        ]
     )
     assert len(rows) == 6 and all("error" not in r for r in rows), rows
     data = json.loads((out / "results.json").read_text())
@@ -27,8 +46,26 @@ def test_tiny_run_writes_table_json_and_plot(tmp_path):
 def test_deepspeed_autosp_runs_beside_ours(tmp_path):
     out = tmp_path / "sac-ds"
     rows = sac_bench.run(
-        ["--lengths", "64", "--sp", "2", "--layers", "1", "--dim", "32", "--heads", "4", "--kv-heads", "2",
-         "--steps", "1", "--backend", "aot_eager", "--out", str(out)]
+        [
+            "--lengths",
+            "64",
+            "--sp",
+            "2",
+            "--layers",
+            "1",
+            "--dim",
+            "32",
+            "--heads",
+            "4",
+            "--kv-heads",
+            "2",
+            "--steps",
+            "1",
+            "--backend",
+            "aot_eager",
+            "--out",
+            str(out),
+        ]
     )
     assert all("error" not in r for r in rows), rows
     by = {r["sac"]: r for r in rows}

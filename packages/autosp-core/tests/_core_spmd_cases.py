@@ -8,8 +8,17 @@ import torch
 import torch.distributed as dist
 
 COLLECTIVES = (
-    "all_gather", "all_gather_into_tensor", "all_reduce", "all_to_all", "all_to_all_single", "broadcast",
-    "reduce_scatter", "reduce_scatter_tensor", "barrier", "new_group", "new_subgroups",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_reduce",
+    "all_to_all",
+    "all_to_all_single",
+    "broadcast",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "barrier",
+    "new_group",
+    "new_subgroups",
 )
 
 
@@ -64,7 +73,8 @@ def config_errors(rank: int, world: int) -> dict[str, Any]:
             "seq_not_divisible": lambda: autosp.compile(gpt, backend="aot_eager")(ids8, ids8),
             "heads_not_divisible": lambda: autosp.compile(gpt, backend="aot_eager")(ids9, ids9),
             "two_lengths": lambda: autosp.compile(_two_lengths, backend="aot_eager")(
-                torch.randn(1, 9, 12), torch.randn(1, 6, 12)),
+                torch.randn(1, 9, 12), torch.randn(1, 6, 12)
+            ),
         }
         for key, case in cases.items():
             torch._dynamo.reset()

@@ -62,8 +62,14 @@ def test_gpt2_like():
 def test_hf_llama_gqa():
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, attn_implementation="sdpa",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        attn_implementation="sdpa",
     )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg).eval()
@@ -82,15 +88,15 @@ def test_custom_layout_and_positions():
 
     @torch.library.custom_op("autosp_unittest::bshd_attn", mutates_args=())
     def bshd_attn(scale: float, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                              scale=scale).transpose(1, 2)
+        return F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale
+        ).transpose(1, 2)
 
     @bshd_attn.register_fake
     def _(scale, q, k, v):
         return torch.empty_like(q)
 
-    spec = AttentionSpec("bshd", targets=(torch.ops.autosp_unittest.bshd_attn.default,), layout="BSHD",
-                         qkv=(1, 2, 3))
+    spec = AttentionSpec("bshd", targets=(torch.ops.autosp_unittest.bshd_attn.default,), layout="BSHD", qkv=(1, 2, 3))
 
     def f(x, kv):
         return bshd_attn(0.5, x, kv, kv)

@@ -32,12 +32,20 @@ def ctx(sites, world, hw, variant="auto", **variant_options):
 
 # Two hand-written nodes: one with fast all-to-all links, one where all-to-all is measured slow
 # (a high-latency fabric) while neighbour hops stay fast.
-FAST_A2A = HardwareProfile("fast-a2a", "cuda", matmul_flops={"bfloat16": 1e15, "float32": 5e14},
-                           interconnect=Interconnect("switch", 4e11, "switch", 8),
-                           comm={"all_to_all": CommModel(latency=2e-6, bandwidth=4e11),
-                                 "p2p": CommModel(latency=5e-5, bandwidth=5e10)})
-SLOW_A2A = dataclasses.replace(FAST_A2A, name="slow-a2a", flops=0.0, comm_bandwidth=0.0, comm={
-    "all_to_all": CommModel(latency=5e-3, bandwidth=1e9), "p2p": CommModel(latency=1e-5, bandwidth=4e11)})
+FAST_A2A = HardwareProfile(
+    "fast-a2a",
+    "cuda",
+    matmul_flops={"bfloat16": 1e15, "float32": 5e14},
+    interconnect=Interconnect("switch", 4e11, "switch", 8),
+    comm={"all_to_all": CommModel(latency=2e-6, bandwidth=4e11), "p2p": CommModel(latency=5e-5, bandwidth=5e10)},
+)
+SLOW_A2A = dataclasses.replace(
+    FAST_A2A,
+    name="slow-a2a",
+    flops=0.0,
+    comm_bandwidth=0.0,
+    comm={"all_to_all": CommModel(latency=5e-3, bandwidth=1e9), "p2p": CommModel(latency=1e-5, bandwidth=4e11)},
+)
 
 
 def test_every_candidate_is_listed_and_the_cheapest_wins():
@@ -54,10 +62,13 @@ def test_the_profile_changes_the_choice():
     assert choose(ctx(sites, 4, SLOW_A2A)).chosen.variant == "ring"
 
 
-@pytest.mark.parametrize("heads, expected, excluded", [
-    (3, {"ring"}, ("ulysses: attention attn has 3 query heads", "hybrid: no ulysses_degree")),
-    (2, {"hybrid(ulysses_degree=2)", "ring"}, ("ulysses: attention attn has 2 query heads",)),
-])
+@pytest.mark.parametrize(
+    "heads, expected, excluded",
+    [
+        (3, {"ring"}, ("ulysses: attention attn has 3 query heads", "hybrid: no ulysses_degree")),
+        (2, {"hybrid(ulysses_degree=2)", "ring"}, ("ulysses: attention attn has 2 query heads",)),
+    ],
+)
 def test_heads_ulysses_cannot_split_never_error(heads, expected, excluded):
     choice = choose(ctx([site(heads, 1)], 4, FAST_A2A))
     assert {e.label for e in choice.candidates} == expected
@@ -105,10 +116,18 @@ def fake_two_ranks():
 
 # Two hand-written slow-compute nodes for a whole compile: on the first, all-to-all is fast and
 # neighbour hops slow; on the second the reverse.
-A2A_NODE = HardwareProfile("a2a-node", "cpu", matmul_flops={"float32": 1e10}, comm={
-    "all_to_all": CommModel(latency=2e-6, bandwidth=4e11), "p2p": CommModel(latency=5e-3, bandwidth=1e9)})
-P2P_NODE = HardwareProfile("p2p-node", "cpu", matmul_flops={"float32": 1e10}, comm={
-    "all_to_all": CommModel(latency=1e-3, bandwidth=1e8), "p2p": CommModel(latency=1e-6, bandwidth=4e11)})
+A2A_NODE = HardwareProfile(
+    "a2a-node",
+    "cpu",
+    matmul_flops={"float32": 1e10},
+    comm={"all_to_all": CommModel(latency=2e-6, bandwidth=4e11), "p2p": CommModel(latency=5e-3, bandwidth=1e9)},
+)
+P2P_NODE = HardwareProfile(
+    "p2p-node",
+    "cpu",
+    matmul_flops={"float32": 1e10},
+    comm={"all_to_all": CommModel(latency=1e-3, bandwidth=1e8), "p2p": CommModel(latency=1e-6, bandwidth=4e11)},
+)
 
 
 def test_sac_and_auto_follow_the_profile_file(fake_two_ranks, tmp_path):
@@ -119,8 +138,9 @@ def test_sac_and_auto_follow_the_profile_file(fake_two_ranks, tmp_path):
         save(profile, path)
         for variant in ("auto", "ulysses"):
             torch._dynamo.reset()
-            compiled = autosp.compile(Attention(), sp_size=2, variant=variant, hardware=str(path),
-                                      backend="aot_eager", check_inputs=False)
+            compiled = autosp.compile(
+                Attention(), sp_size=2, variant=variant, hardware=str(path), backend="aot_eager", check_inputs=False
+            )
             compiled(torch.randn(1, 512, 32))
             reports[profile.name, variant] = compiled.autosp_reports[0]
     a2a, p2p = reports["a2a-node", "auto"], reports["p2p-node", "auto"]
@@ -143,8 +163,15 @@ def fake_four_ranks():
 
 def test_hybrid_without_degrees_compiles_with_the_chosen_degree(fake_four_ranks):
     torch._dynamo.reset()
-    compiled = autosp.compile(Attention(heads=8), sp_size=4, variant="hybrid", hardware="h100-80gb",
-                              backend="aot_eager", check_inputs=False, sac=False)
+    compiled = autosp.compile(
+        Attention(heads=8),
+        sp_size=4,
+        variant="hybrid",
+        hardware="h100-80gb",
+        backend="aot_eager",
+        check_inputs=False,
+        sac=False,
+    )
     compiled(torch.randn(1, 64, 32))
     report = compiled.autosp_reports[0]
     assert report.variant == "hybrid(ulysses_degree=2) (chosen by variant='hybrid')"

@@ -22,8 +22,10 @@ def _calls(x: torch.Tensor, dim: int, group: str) -> dict[str, torch.Tensor]:
 def test_outputs_own_their_storage(dim: int) -> None:
     def rank_fn(rank: int, group: str) -> dict[str, tuple[int, bool]]:
         x = torch.arange(4 * 6, dtype=torch.float32).reshape(4, 6) + rank
-        return {name: (out.storage_offset(), out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr())
-                for name, out in _calls(x, dim, group).items()}
+        return {
+            name: (out.storage_offset(), out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr())
+            for name, out in _calls(x, dim, group).items()
+        }
 
     for rank, results in enumerate(simulate(rank_fn, 2)):
         for name, (offset, aliases) in results.items():

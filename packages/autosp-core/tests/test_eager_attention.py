@@ -105,20 +105,24 @@ def test_sdpa_expressible_forms_become_one_exact_call(fn):
     torch.testing.assert_close(gm(*_inputs()), fn(*_inputs()), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize(("fn", "why"), [
-    (softcap, "not affine in the scores"),
-    (weights_returned, "used outside the attention"),
-    (weak_mask, "still weighs after softmax"),
-    (negative_scale, "positive constant"),
-    (q_dependent_bias, "mixes the scores"),
-    (fp32_values, "different dtypes"),
-    (scores_twice, "more than once"),
-    (bias_minus_scaled_scores, "negates the scores"),
-])
+@pytest.mark.parametrize(
+    ("fn", "why"),
+    [
+        (softcap, "not affine in the scores"),
+        (weights_returned, "used outside the attention"),
+        (weak_mask, "still weighs after softmax"),
+        (negative_scale, "positive constant"),
+        (q_dependent_bias, "mixes the scores"),
+        (fp32_values, "different dtypes"),
+        (scores_twice, "more than once"),
+        (bias_minus_scaled_scores, "negates the scores"),
+    ],
+)
 def test_other_forms_are_found_and_kept(fn, why):
     regions = find_eager_regions(_lowered(fn))
-    assert len(regions) == 1 and regions[0].why_not is not None and why in regions[0].why_not, (
-        [r.why_not for r in regions])
+    assert len(regions) == 1 and regions[0].why_not is not None and why in regions[0].why_not, [
+        r.why_not for r in regions
+    ]
 
 
 def test_site_has_the_mask_shape_sdpa_gets():

@@ -28,8 +28,9 @@ def _run(rule, world: int = 2) -> list[tuple[list[type], torch.Tensor]]:
             return rule(ctx, node, args, kwargs)
 
         declare(spy, getattr(rule, "accepts", ()))
-        ctx = SPContext(rank=rank, world=world, group_name=group_name, seq_len=8, attention_rule=None,
-                        rules={aten.exp.default: spy})
+        ctx = SPContext(
+            rank=rank, world=world, group_name=group_name, seq_len=8, attention_rule=None, rules={aten.exp.default: spy}
+        )
         x = SPValue(summands[rank], Partial(), torch.empty(2, 3))
         out = evaluate(ctx, _exp_node(), (x,), {})
         return seen, out.local

@@ -69,8 +69,11 @@ def test_unknown_and_uninstalled_variants(fresh_registry, monkeypatch):
     reg = get_registry()
     with pytest.raises(ConfigError, match=r"unknown SP variant 'nope'; installed variants: ulysses$"):
         reg.variant("nope")
-    with pytest.raises(ConfigError, match=r"'ring' is provided by the autosp-ring package, which is blocked by "
-                                          r"AUTOSP_BLOCK_PLUGINS: remove 'autosp-ring' from it"):
+    with pytest.raises(
+        ConfigError,
+        match=r"'ring' is provided by the autosp-ring package, which is blocked by "
+        r"AUTOSP_BLOCK_PLUGINS: remove 'autosp-ring' from it",
+    ):
         reg.variant("ring")
     with pytest.raises(ConfigError, match=r"autosp-ring package, which is blocked"):
         reg.variant("hybrid")
@@ -184,12 +187,18 @@ def test_sac_true_without_autosp_sac_is_an_error(fresh_registry, monkeypatch):
     monkeypatch.setenv(BLOCK_ENV, "autosp-sac")
     reset_registry()
     reg = get_registry()
-    with pytest.raises(ConfigError, match=r"sac=True needs the autosp-sac package, which is blocked by "
-                                          r"AUTOSP_BLOCK_PLUGINS: remove 'autosp-sac' from it"):
+    with pytest.raises(
+        ConfigError,
+        match=r"sac=True needs the autosp-sac package, which is blocked by "
+        r"AUTOSP_BLOCK_PLUGINS: remove 'autosp-sac' from it",
+    ):
         reg.require_sac(True)
     reg.require_sac("auto")  # auto chooses among what is installed: the default partitioner here
     reg.require_sac(False)
     reg.manager.is_blocked = lambda name: False  # as if it were simply not installed
-    with pytest.raises(ConfigError, match=r"sac=True needs the autosp-sac package, which is not installed: "
-                                          r"pip install autosp-sac"):
+    with pytest.raises(
+        ConfigError,
+        match=r"sac=True needs the autosp-sac package, which is not installed: "
+        r"pip install autosp-sac",
+    ):
         reg.require_sac(True)

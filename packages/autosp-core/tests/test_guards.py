@@ -22,21 +22,25 @@ from autosp.input_check import Leaf, fingerprint, flatten_inputs, mismatch_messa
 # --- options ----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("given", "mode"), [("shapes", "shapes"), ("hash", "hash"), ("off", "off"),
-                                             (False, "off"), (True, "shapes")])
+@pytest.mark.parametrize(
+    ("given", "mode"), [("shapes", "shapes"), ("hash", "hash"), ("off", "off"), (False, "off"), (True, "shapes")]
+)
 def test_check_inputs_values(given, mode):
     assert SPOptions(check_inputs=given).check_inputs == mode
 
 
-@pytest.mark.parametrize(("kwargs", "pattern"), [
-    ({"check_inputs": "content"}, r"check_inputs='content'; use 'shapes', 'hash' or 'off' \(or False\)"),
-    ({"timeout": 0}, r"timeout=0; give seconds > 0 \(or a timedelta\), or None"),
-    ({"timeout": -1.5}, r"timeout=-1.5; give seconds > 0"),
-    ({"timeout": "30"}, r"timeout='30'; give seconds > 0"),
-    ({"timeout": True}, r"timeout=True; give seconds > 0"),
-    ({"timeout": timedelta(0)}, r"timeout=datetime.timedelta\(0\); give seconds > 0"),
-    ({"timeout": 5, "group": object()}, r"group= was given.*dist.new_group\(ranks, timeout=timedelta"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "pattern"),
+    [
+        ({"check_inputs": "content"}, r"check_inputs='content'; use 'shapes', 'hash' or 'off' \(or False\)"),
+        ({"timeout": 0}, r"timeout=0; give seconds > 0 \(or a timedelta\), or None"),
+        ({"timeout": -1.5}, r"timeout=-1.5; give seconds > 0"),
+        ({"timeout": "30"}, r"timeout='30'; give seconds > 0"),
+        ({"timeout": True}, r"timeout=True; give seconds > 0"),
+        ({"timeout": timedelta(0)}, r"timeout=datetime.timedelta\(0\); give seconds > 0"),
+        ({"timeout": 5, "group": object()}, r"group= was given.*dist.new_group\(ranks, timeout=timedelta"),
+    ],
+)
 def test_bad_guard_options(kwargs, pattern):
     with pytest.raises(ConfigError, match=pattern):
         SPOptions(**kwargs)
@@ -72,8 +76,13 @@ def test_inputs_are_named_as_the_model_names_them():
     ids, w = torch.zeros(2, 8, dtype=torch.long), torch.nn.Parameter(torch.ones(3))
     leaves = flatten_inputs(
         (ids, ids.float(), torch.ones(1), w),
-        {"batch": {"mask": torch.ones(2, 8, dtype=torch.bool), "rows": [ids, Batch(ids, 3)]},
-         "flag": True, "dtype": torch.bfloat16, "device": torch.device("cpu", 0), "obj": object()},
+        {
+            "batch": {"mask": torch.ones(2, 8, dtype=torch.bool), "rows": [ids, Batch(ids, 3)]},
+            "flag": True,
+            "dtype": torch.bfloat16,
+            "device": torch.device("cpu", 0),
+            "obj": object(),
+        },
         sig,
     )
     got = {leaf.path: leaf.meta for leaf in leaves}
@@ -139,8 +148,13 @@ def test_fingerprint_across_chunks_and_dtypes():
     late = big.clone()
     late[-1] += 1
     assert int(fingerprint(late)) != base
-    for t in (torch.randn(5, 3).half(), torch.randn(4, dtype=torch.complex64), torch.tensor([True, False]),
-              torch.randn(3, 3, dtype=torch.float64), torch.randn(2, 2).bfloat16()):
+    for t in (
+        torch.randn(5, 3).half(),
+        torch.randn(4, dtype=torch.complex64),
+        torch.tensor([True, False]),
+        torch.randn(3, 3, dtype=torch.float64),
+        torch.randn(2, 2).bfloat16(),
+    ):
         assert int(fingerprint(t)) == int(fingerprint(t.clone()))
         other = t.clone()
         other.view(-1)[0] = other.view(-1)[1] if t.dtype == torch.bool else other.view(-1)[0] + 1
@@ -202,8 +216,11 @@ def test_recompile_limit_raises_instead_of_running_eager():
     with torch._dynamo.config.patch(recompile_limit=2):
         for n in (3, 4):
             torch.testing.assert_close(call(torch.ones(n)), torch.full((n,), 3.0))
-        with pytest.raises(EagerFallback, match=r"recompile_limit=2\): this call \(x \[5\]\).*earlier calls: "
-                                                r"x \[3\]; x \[4\]\..*mark_dynamic\(x, 0\)"):
+        with pytest.raises(
+            EagerFallback,
+            match=r"recompile_limit=2\): this call \(x \[5\]\).*earlier calls: "
+            r"x \[3\]; x \[4\]\..*mark_dynamic\(x, 0\)",
+        ):
             call(torch.ones(5))
         torch.testing.assert_close(call(torch.ones(4)), torch.full((4,), 3.0))  # known shapes still run
     assert torch._dynamo.config.fail_on_recompile_limit_hit is False  # only inside the call

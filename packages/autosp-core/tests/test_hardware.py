@@ -50,9 +50,14 @@ def test_old_constructor_and_aliases_still_work():
 def test_device_name_selects_the_most_specific_profile(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     profiles = tuple(p for p in autosp.hardware.BUILTIN_PROFILES)
-    for device_name, expected in [("NVIDIA H100 80GB HBM3", "h100-80gb"), ("NVIDIA A100-SXM4-80GB", "a100-80gb"),
-                                  ("NVIDIA A100-SXM4-40GB", "a100-40gb"), ("NVIDIA H200", "h200"),
-                                  ("NVIDIA B200", "b200"), ("NVIDIA GeForce RTX 4090", "cuda")]:
+    for device_name, expected in [
+        ("NVIDIA H100 80GB HBM3", "h100-80gb"),
+        ("NVIDIA A100-SXM4-80GB", "a100-80gb"),
+        ("NVIDIA A100-SXM4-40GB", "a100-40gb"),
+        ("NVIDIA H200", "h200"),
+        ("NVIDIA B200", "b200"),
+        ("NVIDIA GeForce RTX 4090", "cuda"),
+    ]:
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None, n=device_name: n)
         assert select_profile(torch.device("cuda", 0), profiles).name == expected
     assert select_profile(torch.device("cpu"), profiles).name == "cpu"
@@ -88,22 +93,36 @@ def test_json_round_trip_and_partial_profiles(tmp_path):
     assert from_dict(json.loads(json.dumps(to_dict(h100)))) == h100
     path = tmp_path / "node.json"
     a2a = CommModel(5e-5, 2e11, ((1e6, 5.5e-5), (1e8, 5.5e-4)), 8)
-    save({"format": "autosp-hardware/1", "name": "my-node", "base": "h100-80gb",
-          "matmul_flops": {"bfloat16": 6e14}, "comm": {"all_to_all": to_dict(
-              HardwareProfile("t", "cpu", flops=1.0, comm={"all_to_all": a2a}))["comm"]["all_to_all"]}}, path)
+    save(
+        {
+            "format": "autosp-hardware/1",
+            "name": "my-node",
+            "base": "h100-80gb",
+            "matmul_flops": {"bfloat16": 6e14},
+            "comm": {
+                "all_to_all": to_dict(HardwareProfile("t", "cpu", flops=1.0, comm={"all_to_all": a2a}))["comm"][
+                    "all_to_all"
+                ]
+            },
+        },
+        path,
+    )
     p = load_profile(str(path))
     assert p.name == "my-node" and p.flops == 6e14 and p.matmul("float32") == h100.matmul("float32")
     assert p.comm_bandwidth == 2e11 and p.comm["all_to_all"] == a2a and p.memory_bytes == h100.memory_bytes
     assert load_profile(path) == p  # a Path works too
 
 
-@pytest.mark.parametrize("content, match", [
-    ('{"name": "x", "flops": 1, "comm_bandwidth": 1, "wings": 2}', "unknown keys.*wings"),
-    ('{"format": "autosp-hardware/9", "name": "x"}', "autosp-hardware/1"),
-    ('[1, 2]', "JSON object"),
-    ('{"name": "x", "base": "h100-80gb", "comm": {"broadcast": {}}}', "all_to_all, all_gather, p2p"),
-    ('{"name": x', "not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "content, match",
+    [
+        ('{"name": "x", "flops": 1, "comm_bandwidth": 1, "wings": 2}', "unknown keys.*wings"),
+        ('{"format": "autosp-hardware/9", "name": "x"}', "autosp-hardware/1"),
+        ("[1, 2]", "JSON object"),
+        ('{"name": "x", "base": "h100-80gb", "comm": {"broadcast": {}}}', "all_to_all, all_gather, p2p"),
+        ('{"name": x', "not valid JSON"),
+    ],
+)
 def test_bad_json_profiles_say_what_to_do(tmp_path, content, match):
     path = tmp_path / "bad.json"
     path.write_text(content)

@@ -49,7 +49,9 @@ def test_matches_cross_entropy_fp32(chunk: int, reduction: str, bias: bool) -> N
         torch.testing.assert_close(g_got, g_want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("epilogue", ["to:float32", "div:3.0,tanh,mul:3.0", "mul:0.125", "to:float64,div:2.5,tanh,mul:2.5"])
+@pytest.mark.parametrize(
+    "epilogue", ["to:float32", "div:3.0,tanh,mul:3.0", "mul:0.125", "to:float64,div:2.5,tanh,mul:2.5"]
+)
 def test_epilogues_match(epilogue: str) -> None:
     h, w, b, t = _inputs(torch.float32, True, seed=1)
     want = _reference(h, w, b, t, epilogue, "mean")

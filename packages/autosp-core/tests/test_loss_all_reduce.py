@@ -21,8 +21,13 @@ def _args(g: torch.Generator) -> tuple:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_mean_loss_is_one_all_reduce(world: int) -> None:
-    report = check_op(aten.nll_loss_forward.default, _args(torch.Generator().manual_seed(0)),
-                      placements=[shard(0, "zigzag"), Replicate(SeqAxis(0, S))], world=world, trace=False)
+    report = check_op(
+        aten.nll_loss_forward.default,
+        _args(torch.Generator().manual_seed(0)),
+        placements=[shard(0, "zigzag"), Replicate(SeqAxis(0, S))],
+        world=world,
+        trace=False,
+    )
     # check_op compared values and gradients with the unsharded op. Collectives, forward then
     # backward: sum and count packed in one all-reduce, and its gradient in one (was 2 + 1 scalars).
     assert report.collectives == ["all_reduce[(2,)]", "all_reduce[(2,)]"], report.collectives

@@ -181,7 +181,10 @@ def test_debug_dir_dumps_before_and_after(tmp_path, monkeypatch):
     pm.run(Stage.GRAPH, _gm(), CTX)
     folder = tmp_path / "rank0" / "graph7"
     assert sorted(p.name for p in folder.iterdir()) == [
-        "graph.first.after.py", "graph.first.before.py", "graph.second.after.py", "graph.second.before.py",
+        "graph.first.after.py",
+        "graph.first.before.py",
+        "graph.second.after.py",
+        "graph.second.before.py",
     ]
     assert "relu" in (folder / "graph.first.before.py").read_text()
 
@@ -209,10 +212,13 @@ def test_compile_honours_disable_and_debug_dir(tmp_path, monkeypatch):
     compiled(x).sum().backward()
     (report,) = compiled.autosp_reports
     assert [(r.stage, r.name) for r in report.passes] == [
-        ("graph", "autosp.find_attention"), ("forward", "autosp.dce_forward"),
+        ("graph", "autosp.find_attention"),
+        ("forward", "autosp.dce_forward"),
     ]
     dumps = sorted(p.name for p in tmp_path.glob("rank0/graph*/*.py"))
     assert dumps == [
-        "forward.autosp.dce_forward.after.py", "forward.autosp.dce_forward.before.py",
-        "graph.autosp.find_attention.after.py", "graph.autosp.find_attention.before.py",
+        "forward.autosp.dce_forward.after.py",
+        "forward.autosp.dce_forward.before.py",
+        "graph.autosp.find_attention.after.py",
+        "graph.autosp.find_attention.before.py",
     ]

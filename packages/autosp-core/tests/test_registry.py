@@ -70,21 +70,22 @@ def autosp_register_hardware(register):
     register(TOY_HARDWARE)
 '''
 
-BAD_PLUGIN_SRC = '''
+BAD_PLUGIN_SRC = """
 from autosp import hookimpl
 
 
 @hookimpl
 def autosp_register_pases(register):  # misspelt hook name
     pass
-'''
+"""
 
 
 def _make_dist(root: Path, dist: str, module: str, source: str) -> Path:
     project = root / dist
     (project / "src" / module).mkdir(parents=True)
     (project / "src" / module / "__init__.py").write_text(source)
-    (project / "pyproject.toml").write_text(textwrap.dedent(f'''
+    (project / "pyproject.toml").write_text(
+        textwrap.dedent(f'''
         [build-system]
         requires = ["hatchling"]
         build-backend = "hatchling.build"
@@ -98,7 +99,8 @@ def _make_dist(root: Path, dist: str, module: str, source: str) -> Path:
 
         [tool.hatch.build.targets.wheel]
         packages = ["src/{module}"]
-    '''))
+    ''')
+    )
     return project
 
 
@@ -114,9 +116,23 @@ def plugin_sites(tmp_path_factory) -> dict[str, Path]:
         project = _make_dist(root, dist, module, source)
         site = root / f"site-{module}"
         subprocess.run(
-            [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-             "--disable-pip-version-check", "--no-index", "--target", str(site), str(project)],
-            check=True, capture_output=True, text=True,
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--no-deps",
+                "--no-build-isolation",
+                "--disable-pip-version-check",
+                "--no-index",
+                "--target",
+                str(site),
+                str(project),
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
         )
         assert list(site.glob(f"{module.replace('-', '_')}-*.dist-info/entry_points.txt"))
         sites[module] = site
@@ -142,8 +158,15 @@ def on_path(monkeypatch, fresh_registry):
 def test_first_party_plugins_come_from_entry_points(fresh_registry):
     reg = get_registry()
     assert {"autosp-core", "autosp-ulysses"} <= set(reg.plugin_names())
-    assert {"autosp.find_attention", "autosp.lower", "autosp.shard", "autosp.sync_grads",
-            "autosp.dce_forward", "autosp.dce_backward", "autosp.unrepeat_kv"} <= set(reg.passes)
+    assert {
+        "autosp.find_attention",
+        "autosp.lower",
+        "autosp.shard",
+        "autosp.sync_grads",
+        "autosp.dce_forward",
+        "autosp.dce_backward",
+        "autosp.unrepeat_kv",
+    } <= set(reg.passes)
     assert {"ulysses"} <= set(reg.variants) and "toy" not in reg.variants
     assert {"cpu", "cuda", "h100-80gb"} <= set(reg.hardware)
     assert get_registry() is reg  # built once
@@ -260,8 +283,12 @@ def test_trace_hooks(plugin_sites, on_path, monkeypatch, capsys):
     monkeypatch.setenv(TRACE_ENV, "1")
     get_registry()
     err = capsys.readouterr().err
-    for hook in ("autosp_register_passes", "autosp_register_variants", "autosp_register_attention",
-                 "autosp_register_hardware"):
+    for hook in (
+        "autosp_register_passes",
+        "autosp_register_variants",
+        "autosp_register_attention",
+        "autosp_register_hardware",
+    ):
         assert hook in err
     assert "finish autosp_register_variants" in err
 

@@ -54,8 +54,14 @@ class Case:
 CASES: list[Case] = []
 
 
-def case(op: Any, name: str, make: Callable[[torch.Generator], tuple], *placements: Any,
-         expect: tuple | None = None, **options: Any) -> None:
+def case(
+    op: Any,
+    name: str,
+    make: Callable[[torch.Generator], tuple],
+    *placements: Any,
+    expect: tuple | None = None,
+    **options: Any,
+) -> None:
     CASES.append(Case(op, name, make, placements, expect, options))
 
 
@@ -98,36 +104,119 @@ def sq(g: torch.Generator) -> torch.Tensor:
 
 W = lambda g: randn(g, D, 3)  # noqa: E731
 for lay in SEQ_LAYOUTS:
-    case(aten.mm.default, f"tokens[B*S,D]@W-{lay}", args(lambda g: randn(g, B * S, D), W),
-         shard(0, lay, length=S), R, expect=(Shard,))
+    case(
+        aten.mm.default,
+        f"tokens[B*S,D]@W-{lay}",
+        args(lambda g: randn(g, B * S, D), W),
+        shard(0, lay, length=S),
+        R,
+        expect=(Shard,),
+    )
     case(aten.mm.default, f"tokens[S,D]@W-{lay}", args(lambda g: randn(g, S, D), W), shard(0, lay), R, expect=(Shard,))
-    case(aten.mm.default, f"x^T@y-contract-seq-{lay}", args(lambda g: randn(g, D, S), lambda g: randn(g, S, 3)),
-         shard(1, lay), shard(0, lay))
+    case(
+        aten.mm.default,
+        f"x^T@y-contract-seq-{lay}",
+        args(lambda g: randn(g, D, S), lambda g: randn(g, S, 3)),
+        shard(1, lay),
+        shard(0, lay),
+    )
     case(aten.bmm.default, f"tokens@W-{lay}", args(x3, lambda g: randn(g, B, D, 3)), shard(1, lay), R, expect=(Shard,))
-    case(aten.bmm.default, f"q@k^T-{lay}", args(x3, lambda g: randn(g, B, D, S)), shard(1, lay), shard(2, lay),
-         expect=(Shard,))
-    case(aten.bmm.default, f"p^T@v-contract-seq-{lay}", args(lambda g: randn(g, B, D, S), x3),
-         shard(2, lay), shard(1, lay))
-    case(aten.addmm.default, f"bias+tokens@W-{lay}", args(lambda g: randn(g, 3), lambda g: randn(g, B * S, D), W),
-         R, shard(0, lay, length=S), R, expect=(Shard,))
-    case(aten.addmm.default, f"bias[S,3]+tokens@W-{lay}", args(lambda g: randn(g, S, 3), lambda g: randn(g, S, D), W),
-         shard(0, lay), shard(0, lay), R, expect=(Shard,))
-    case(aten.baddbmm.default, f"bias+tokens@W-{lay}", args(lambda g: randn(g, 3), x3, lambda g: randn(g, B, D, 3)),
-         R, shard(1, lay), R, expect=(Shard,))
-    case(aten.embedding.default, f"ids-shard-{lay}", args(lambda g: randn(g, V, D), lambda g: ints(g, V, B, S)),
-         R, shard(1, lay), expect=(Shard,))
+    case(
+        aten.bmm.default,
+        f"q@k^T-{lay}",
+        args(x3, lambda g: randn(g, B, D, S)),
+        shard(1, lay),
+        shard(2, lay),
+        expect=(Shard,),
+    )
+    case(
+        aten.bmm.default,
+        f"p^T@v-contract-seq-{lay}",
+        args(lambda g: randn(g, B, D, S), x3),
+        shard(2, lay),
+        shard(1, lay),
+    )
+    case(
+        aten.addmm.default,
+        f"bias+tokens@W-{lay}",
+        args(lambda g: randn(g, 3), lambda g: randn(g, B * S, D), W),
+        R,
+        shard(0, lay, length=S),
+        R,
+        expect=(Shard,),
+    )
+    case(
+        aten.addmm.default,
+        f"bias[S,3]+tokens@W-{lay}",
+        args(lambda g: randn(g, S, 3), lambda g: randn(g, S, D), W),
+        shard(0, lay),
+        shard(0, lay),
+        R,
+        expect=(Shard,),
+    )
+    case(
+        aten.baddbmm.default,
+        f"bias+tokens@W-{lay}",
+        args(lambda g: randn(g, 3), x3, lambda g: randn(g, B, D, 3)),
+        R,
+        shard(1, lay),
+        R,
+        expect=(Shard,),
+    )
+    case(
+        aten.embedding.default,
+        f"ids-shard-{lay}",
+        args(lambda g: randn(g, V, D), lambda g: ints(g, V, B, S)),
+        R,
+        shard(1, lay),
+        expect=(Shard,),
+    )
 for lay in ("even", "zigzag"):
     # A replicated input whose sequence axis meets a token-wise op: sharding starts here, in the variant's layout.
-    case(aten.mm.default, f"start-sharding-{lay}", args(lambda g: randn(g, S, D), W), rs(0), R, layout=lay,
-         expect=(Shard,))
-    case(aten.addmm.default, f"start-sharding-{lay}", args(lambda g: randn(g, 3), lambda g: randn(g, S, D), W),
-         R, rs(0), R, layout=lay, expect=(Shard,))
-    case(aten.embedding.default, f"start-sharding-{lay}", args(lambda g: randn(g, V, D), lambda g: ints(g, V, B, S)),
-         R, rs(1), layout=lay, expect=(Shard,))
-case(aten.mm.default, "start-sharding-folded-[B*S,D]", args(lambda g: randn(g, B * S, D), W), rs(0), R,
-     layout="zigzag", expect=(Shard,))
-case(aten.mm.default, "x^T@y-contract-seq-layouts-differ", args(lambda g: randn(g, D, S), lambda g: randn(g, S, 3)),
-     shard(1, "even"), shard(0, "zigzag"))
+    case(
+        aten.mm.default,
+        f"start-sharding-{lay}",
+        args(lambda g: randn(g, S, D), W),
+        rs(0),
+        R,
+        layout=lay,
+        expect=(Shard,),
+    )
+    case(
+        aten.addmm.default,
+        f"start-sharding-{lay}",
+        args(lambda g: randn(g, 3), lambda g: randn(g, S, D), W),
+        R,
+        rs(0),
+        R,
+        layout=lay,
+        expect=(Shard,),
+    )
+    case(
+        aten.embedding.default,
+        f"start-sharding-{lay}",
+        args(lambda g: randn(g, V, D), lambda g: ints(g, V, B, S)),
+        R,
+        rs(1),
+        layout=lay,
+        expect=(Shard,),
+    )
+case(
+    aten.mm.default,
+    "start-sharding-folded-[B*S,D]",
+    args(lambda g: randn(g, B * S, D), W),
+    rs(0),
+    R,
+    layout="zigzag",
+    expect=(Shard,),
+)
+case(
+    aten.mm.default,
+    "x^T@y-contract-seq-layouts-differ",
+    args(lambda g: randn(g, D, S), lambda g: randn(g, S, 3)),
+    shard(1, "even"),
+    shard(0, "zigzag"),
+)
 case(aten.mm.default, "partial@W", args(lambda g: randn(g, B, D), W), Partial(), R)
 case(aten.mm.default, "W@partial", args(lambda g: randn(g, 3, B), lambda g: randn(g, B, D)), R, Partial())
 case(aten.mm.default, "partial@partial", args(lambda g: randn(g, B, D), W), Partial(), Partial())
@@ -135,43 +224,116 @@ case(aten.mm.default, "shard@partial", args(lambda g: randn(g, S, D), W), shard(
 case(aten.mm.default, "replicated", args(lambda g: randn(g, B, D), W), R, R)
 case(aten.mm.default, "head-sharded", args(lambda g: randn(g, S, D), W), head_shard(1), R)
 # A per-token matmul: the sequence is bmm's batch dim.
-case(aten.bmm.default, "per-token-batch-dim", args(lambda g: randn(g, S, 2, D), lambda g: randn(g, S, D, 3)),
-     shard(0, "zigzag"), shard(0, "uneven"), expect=(Shard,))
+case(
+    aten.bmm.default,
+    "per-token-batch-dim",
+    args(lambda g: randn(g, S, 2, D), lambda g: randn(g, S, D, 3)),
+    shard(0, "zigzag"),
+    shard(0, "uneven"),
+    expect=(Shard,),
+)
 case(aten.bmm.default, "partial@W", args(lambda g: randn(g, B, 3, D), lambda g: randn(g, B, D, 2)), Partial(), R)
 case(aten.bmm.default, "head-sharded", args(x3, lambda g: randn(g, B, D, S)), head_shard(0), head_shard(0))
 # A classifier head on a pooled (partial) vector: the bias must be added once, not once per rank.
 case(aten.addmm.default, "bias+partial@W", args(lambda g: randn(g, 3), lambda g: randn(g, B, D), W), R, Partial(), R)
 case(aten.addmm.default, "bias+W@partial", args(lambda g: randn(g, 3), lambda g: randn(g, B, D), W), R, R, Partial())
 case(aten.addmm.default, "partial-bias", args(lambda g: randn(g, 3), lambda g: randn(g, B, D), W), Partial(), R, R)
-case(aten.addmm.default, "partial-bias+tokens@W", args(lambda g: randn(g, 3), lambda g: randn(g, S, D), W),
-     Partial(), shard(0), R)
-case(aten.addmm.default, "bias[S,3]-shard+replicated", args(lambda g: randn(g, S, 3), lambda g: randn(g, S, D), W),
-     shard(0), R, R)
-case(aten.addmm.default, "beta-alpha-partial",
-     args(lambda g: randn(g, 3), lambda g: randn(g, B, D), W, beta=0.5, alpha=2.0), R, Partial(), R)
-case(aten.baddbmm.default, "bias+partial@W", args(lambda g: randn(g, 3), lambda g: randn(g, B, 2, D),
-                                                  lambda g: randn(g, B, D, 3)), R, Partial(), R)
-case(aten.baddbmm.default, "beta-alpha-shard", args(lambda g: randn(g, B, S, 3), x3, lambda g: randn(g, B, D, 3),
-                                                    beta=0.5, alpha=2.0), shard(1, "zigzag"), shard(1, "zigzag"), R)
-case(aten.embedding.default, "partial-table", args(lambda g: randn(g, V, D), lambda g: ints(g, V, B, S)),
-     Partial(), rs(1))
+case(
+    aten.addmm.default,
+    "partial-bias+tokens@W",
+    args(lambda g: randn(g, 3), lambda g: randn(g, S, D), W),
+    Partial(),
+    shard(0),
+    R,
+)
+case(
+    aten.addmm.default,
+    "bias[S,3]-shard+replicated",
+    args(lambda g: randn(g, S, 3), lambda g: randn(g, S, D), W),
+    shard(0),
+    R,
+    R,
+)
+case(
+    aten.addmm.default,
+    "beta-alpha-partial",
+    args(lambda g: randn(g, 3), lambda g: randn(g, B, D), W, beta=0.5, alpha=2.0),
+    R,
+    Partial(),
+    R,
+)
+case(
+    aten.baddbmm.default,
+    "bias+partial@W",
+    args(lambda g: randn(g, 3), lambda g: randn(g, B, 2, D), lambda g: randn(g, B, D, 3)),
+    R,
+    Partial(),
+    R,
+)
+case(
+    aten.baddbmm.default,
+    "beta-alpha-shard",
+    args(lambda g: randn(g, B, S, 3), x3, lambda g: randn(g, B, D, 3), beta=0.5, alpha=2.0),
+    shard(1, "zigzag"),
+    shard(1, "zigzag"),
+    R,
+)
+case(
+    aten.embedding.default,
+    "partial-table",
+    args(lambda g: randn(g, V, D), lambda g: ints(g, V, B, S)),
+    Partial(),
+    rs(1),
+)
 case(aten.embedding.default, "partial-int-ids", args(lambda g: randn(g, V, D), lambda g: ints(g, V, B)), R, Partial())
-case(aten.embedding.default, "padding-idx", args(lambda g: randn(g, V, D), lambda g: ints(g, V, B, S), 0),
-     R, shard(1, "uneven"))
+case(
+    aten.embedding.default,
+    "padding-idx",
+    args(lambda g: randn(g, V, D), lambda g: ints(g, V, B, S), 0),
+    R,
+    shard(1, "uneven"),
+)
 case(aten.embedding.default, "replicated", args(lambda g: randn(g, V, D), lambda g: ints(g, V, B, 3)), R, R)
 
 # --- elementwise ops with their own entry -------------------------------------------------------------
 
 for lay in SEQ_LAYOUTS:
-    case(aten.masked_fill.Scalar, f"shard-{lay}", args(x3, lambda g: mask(g, B, S, 1), -1.5), shard(1, lay), R,
-         expect=(Shard,))
-    case(aten.masked_fill.Tensor, f"shard-{lay}", args(x3, lambda g: mask(g, B, S, D), lambda g: randn(g)),
-         shard(1, lay), shard(1, lay), R, expect=(Shard,))
-    case(aten.where.self, f"shard-{lay}", args(lambda g: mask(g, B, S, 1), x3, lambda g: randn(g, D)),
-         shard(1, lay), shard(1, lay), R, expect=(Shard,))
+    case(
+        aten.masked_fill.Scalar,
+        f"shard-{lay}",
+        args(x3, lambda g: mask(g, B, S, 1), -1.5),
+        shard(1, lay),
+        R,
+        expect=(Shard,),
+    )
+    case(
+        aten.masked_fill.Tensor,
+        f"shard-{lay}",
+        args(x3, lambda g: mask(g, B, S, D), lambda g: randn(g)),
+        shard(1, lay),
+        shard(1, lay),
+        R,
+        expect=(Shard,),
+    )
+    case(
+        aten.where.self,
+        f"shard-{lay}",
+        args(lambda g: mask(g, B, S, 1), x3, lambda g: randn(g, D)),
+        shard(1, lay),
+        shard(1, lay),
+        R,
+        expect=(Shard,),
+    )
     case(aten.clone.default, f"shard-{lay}", args(x3), shard(1, lay), expect=(Shard,))
-    case(aten._to_copy.default, f"shard-{lay}", args(x3, dtype=torch.float32), shard(1, lay), expect=(Shard,),
-         atol=1e-6, rtol=1e-5)
+    case(
+        aten._to_copy.default,
+        f"shard-{lay}",
+        args(x3, dtype=torch.float32),
+        shard(1, lay),
+        expect=(Shard,),
+        atol=1e-6,
+        rtol=1e-5,
+    )
     case(aten.clamp.default, f"shard-{lay}", args(x3, -0.5, 0.5), shard(1, lay), expect=(Shard,))
 for lay in ALL_LAYOUTS:
     # Position-dependent: each element is kept by its global row and column.
@@ -188,22 +350,51 @@ case(aten.triu.default, "partial", args(sq), Partial())
 case(aten.triu.default, "shard-on-batch-dim", args(lambda g: randn(g, S, 3, 3)), shard(0, "zigzag"))
 case(aten.masked_fill.Scalar, "mask-replicated-seq", args(x3, lambda g: mask(g, S, 1), 0.0), shard(1, "zigzag"), rs(0))
 case(aten.masked_fill.Scalar, "partial", args(lambda g: randn(g, B, D), lambda g: mask(g, B, D), 0.0), Partial(), R)
-case(aten.masked_fill.Tensor, "value-partial", args(x3, lambda g: mask(g, B, S, D), lambda g: randn(g)),
-     shard(1), R, Partial())
+case(
+    aten.masked_fill.Tensor,
+    "value-partial",
+    args(x3, lambda g: mask(g, B, S, D), lambda g: randn(g)),
+    shard(1),
+    R,
+    Partial(),
+)
 # A causal mask [S,S] (built from arange, replicated) applied to scores sharded on their rows.
-case(aten.where.ScalarOther, "causal-mask-on-score-rows",
-     args(lambda g: torch.ones(S, S, dtype=torch.bool).tril(), lambda g: randn(g, B, S, S), float("-inf")),
-     rs(0), shard(1, "zigzag"), expect=(Shard,))
-case(aten.where.self, "partial-branches",
-     args(lambda g: mask(g, B, D), lambda g: randn(g, B, D), lambda g: randn(g, B, D)), R, Partial(), Partial())
-case(aten.where.self, "layouts-differ", args(lambda g: mask(g, B, S, 1), x3, x3), shard(1, "even"), shard(1, "zigzag"),
-     shard(1, "uneven"))
+case(
+    aten.where.ScalarOther,
+    "causal-mask-on-score-rows",
+    args(lambda g: torch.ones(S, S, dtype=torch.bool).tril(), lambda g: randn(g, B, S, S), float("-inf")),
+    rs(0),
+    shard(1, "zigzag"),
+    expect=(Shard,),
+)
+case(
+    aten.where.self,
+    "partial-branches",
+    args(lambda g: mask(g, B, D), lambda g: randn(g, B, D), lambda g: randn(g, B, D)),
+    R,
+    Partial(),
+    Partial(),
+)
+case(
+    aten.where.self,
+    "layouts-differ",
+    args(lambda g: mask(g, B, S, 1), x3, x3),
+    shard(1, "even"),
+    shard(1, "zigzag"),
+    shard(1, "uneven"),
+)
 case(aten.where.ScalarSelf, "shard", args(lambda g: mask(g, B, S, D), 0.5, x3), shard(1, "zigzag"), shard(1, "zigzag"))
 case(aten.where.ScalarSelf, "partial", args(lambda g: mask(g, B, D), 0.5, lambda g: randn(g, B, D)), R, Partial())
 case(aten.where.ScalarOther, "shard", args(lambda g: mask(g, B, S, 1), x3, -2.0), R, shard(1, "uneven"))
 case(aten.where.ScalarOther, "partial", args(lambda g: mask(g, B, D), lambda g: randn(g, B, D), -2.0), R, Partial())
-case(aten._to_copy.default, "partial-float32", args(lambda g: randn(g, B, D), dtype=torch.float32), Partial(),
-     atol=1e-5, rtol=1e-5)
+case(
+    aten._to_copy.default,
+    "partial-float32",
+    args(lambda g: randn(g, B, D), dtype=torch.float32),
+    Partial(),
+    atol=1e-5,
+    rtol=1e-5,
+)
 # A cast to an integer type is not linear: summands must not be truncated one by one.
 case(aten._to_copy.default, "partial-to-int64", args(lambda g: 3 * randn(g, B, D), dtype=torch.int64), Partial())
 case(aten._to_copy.default, "partial-int-to-float", args(lambda g: ints(g, S, B, D), dtype=F64), Partial())
@@ -219,10 +410,22 @@ case(aten.lift_fresh_copy.default, "shard", args(x3), shard(1))
 case(aten.lift_fresh_copy.default, "replicated", args(lambda g: randn(g, B, D)), R)
 # aten.copy has no derivative (functionalization's copy; values only).
 case(aten.copy.default, "into-replicated-from-shard", args(x3, x3), R, shard(1, "zigzag"), requires_grad=(False, False))
-case(aten.copy.default, "into-shard-broadcast", args(x3, lambda g: randn(g, D)), shard(1, "uneven"), R,
-     requires_grad=(False, False))
-case(aten.copy.default, "from-partial", args(lambda g: randn(g, B, D), lambda g: randn(g, B, D)), R, Partial(),
-     requires_grad=(False, False))
+case(
+    aten.copy.default,
+    "into-shard-broadcast",
+    args(x3, lambda g: randn(g, D)),
+    shard(1, "uneven"),
+    R,
+    requires_grad=(False, False),
+)
+case(
+    aten.copy.default,
+    "from-partial",
+    args(lambda g: randn(g, B, D), lambda g: randn(g, B, D)),
+    R,
+    Partial(),
+    requires_grad=(False, False),
+)
 for op in (aten.zeros_like.default, aten.ones_like.default):
     case(op, "shard", args(x3), shard(1, "zigzag"))
     case(op, "partial", args(lambda g: randn(g, B, D)), Partial())
@@ -233,8 +436,14 @@ case(aten.empty_like.default, "partial", args(lambda g: randn(g, B, D)), Partial
 case(aten.fill.Scalar, "shard", args(x3, 2.0), shard(1, "first_empty"))
 case(aten.fill.Scalar, "partial", args(lambda g: randn(g, B, D), 2.0), Partial())
 case(aten.clamp.default, "partial", args(lambda g: randn(g, B, D), -0.3, None), Partial())
-case(aten.clamp.Tensor, "shard", args(x3, lambda g: randn(g, D) - 1, lambda g: randn(g, B, S, D) + 1),
-     shard(1, "zigzag"), R, shard(1, "even"))
+case(
+    aten.clamp.Tensor,
+    "shard",
+    args(x3, lambda g: randn(g, D) - 1, lambda g: randn(g, B, S, D) + 1),
+    shard(1, "zigzag"),
+    R,
+    shard(1, "even"),
+)
 case(aten.clamp.Tensor, "partial-bound", args(lambda g: randn(g, B, D), lambda g: randn(g, B, D), None), R, Partial())
 
 # --- reductions, normalisations, the loss, creation ---------------------------------------------------
@@ -249,24 +458,56 @@ for lay in SEQ_LAYOUTS:
     case(aten.mean.dim, f"over-D-{lay}", args(x3, [2]), shard(1, lay), expect=(Shard,))
     case(aten._softmax.default, f"over-D-{lay}", args(x3, -1, False), shard(1, lay), expect=(Shard,))
     case(aten._log_softmax.default, f"over-D-{lay}", args(x3, 2, False), shard(1, lay), expect=(Shard,))
-    case(aten.native_layer_norm.default, f"shard-{lay}",
-         args(x3, [D], lambda g: randn(g, D), lambda g: randn(g, D), 1e-5), shard(1, lay), R, R,
-         expect=(Shard, None, None))
-    case(aten._fused_rms_norm.default, f"shard-{lay}", args(x3, [D], lambda g: randn(g, D), 1e-5), shard(1, lay), R,
-         expect=(Shard, None))
+    case(
+        aten.native_layer_norm.default,
+        f"shard-{lay}",
+        args(x3, [D], lambda g: randn(g, D), lambda g: randn(g, D), 1e-5),
+        shard(1, lay),
+        R,
+        R,
+        expect=(Shard, None, None),
+    )
+    case(
+        aten._fused_rms_norm.default,
+        f"shard-{lay}",
+        args(x3, [D], lambda g: randn(g, D), 1e-5),
+        shard(1, lay),
+        R,
+        expect=(Shard, None),
+    )
     # A token loss: logits [B*S, C] sharded like the sequence, targets with ignored tokens.
     for reduction in (0, 1, 2):
-        case(aten.nll_loss_forward.default, f"tokens-reduction{reduction}-{lay}",
-             args(lambda g: randn(g, B * S, C).log_softmax(-1),
-                  lambda g: torch.where(mask(g, B * S), -100, ints(g, C, B * S)), None, reduction, -100),
-             shard(0, lay, length=S), rs(0))
+        case(
+            aten.nll_loss_forward.default,
+            f"tokens-reduction{reduction}-{lay}",
+            args(
+                lambda g: randn(g, B * S, C).log_softmax(-1),
+                lambda g: torch.where(mask(g, B * S), -100, ints(g, C, B * S)),
+                None,
+                reduction,
+                -100,
+            ),
+            shard(0, lay, length=S),
+            rs(0),
+        )
 case(aten.sum.dim_IntList, "empty-dims-is-all", args(x3, []), shard(1, "zigzag"))
 case(aten.sum.dim_IntList, "over-seq-keepdim", args(x3, [1], True), shard(1, "zigzag"))
 case(aten.sum.dim_IntList, "over-seq-and-D", args(x3, [1, 2]), shard(1, "uneven"))
-case(aten.sum.dim_IntList, "over-seq-dtype", args(x3, [-2], dtype=torch.float32), shard(1, "zigzag"), atol=1e-5, rtol=1e-5)
+case(
+    aten.sum.dim_IntList,
+    "over-seq-dtype",
+    args(x3, [-2], dtype=torch.float32),
+    shard(1, "zigzag"),
+    atol=1e-5,
+    rtol=1e-5,
+)
 case(aten.sum.dim_IntList, "over-folded-[B*S,D]", args(lambda g: randn(g, B * S, D), [0]), shard(0, "zigzag", length=S))
-case(aten.sum.dim_IntList, "over-folded-inner-[B,S*2,2]", args(lambda g: randn(g, B, S * 2, 2), [1]),
-     shard(1, "uneven", inner=2))
+case(
+    aten.sum.dim_IntList,
+    "over-folded-inner-[B,S*2,2]",
+    args(lambda g: randn(g, B, S * 2, 2), [1]),
+    shard(1, "uneven", inner=2),
+)
 case(aten.sum.dim_IntList, "count-bool-over-seq", args(lambda g: mask(g, B, S), [1]), shard(1, "zigzag"))
 case(aten.sum.dim_IntList, "partial-int", args(lambda g: ints(g, 9, B, 3), [1]), Partial())
 case(aten.sum.dim_IntList, "partial", args(lambda g: randn(g, B, 3, D), [1]), Partial())
@@ -282,45 +523,132 @@ case(aten._softmax.default, "partial", args(lambda g: randn(g, B, D), -1, False)
 case(aten._softmax.default, "replicated-seq", args(x3, -1, False), rs(1))
 case(aten._log_softmax.default, "over-seq", args(x3, 1, False), shard(1, "uneven"))
 case(aten._log_softmax.default, "partial", args(lambda g: randn(g, B, C), -1, False), Partial())
-case(aten.native_layer_norm.default, "over-S-and-D",
-     args(x3, [S, D], lambda g: randn(g, S, D), lambda g: randn(g, S, D), 1e-5), shard(1, "zigzag"), R, R)
+case(
+    aten.native_layer_norm.default,
+    "over-S-and-D",
+    args(x3, [S, D], lambda g: randn(g, S, D), lambda g: randn(g, S, D), 1e-5),
+    shard(1, "zigzag"),
+    R,
+    R,
+)
 case(aten.native_layer_norm.default, "partial", args(lambda g: randn(g, B, D), [D], None, None, 1e-5), Partial())
-case(aten.native_layer_norm.default, "folded-[B*S,D]",
-     args(lambda g: randn(g, B * S, D), [D], lambda g: randn(g, D), None, 1e-5), shard(0, "zigzag", length=S), R,
-     expect=(Shard, None, None))
-case(aten.native_layer_norm.default, "weight-partial",
-     args(x3, [D], lambda g: randn(g, D), lambda g: randn(g, D), 1e-5), shard(1), Partial(), R)
+case(
+    aten.native_layer_norm.default,
+    "folded-[B*S,D]",
+    args(lambda g: randn(g, B * S, D), [D], lambda g: randn(g, D), None, 1e-5),
+    shard(0, "zigzag", length=S),
+    R,
+    expect=(Shard, None, None),
+)
+case(
+    aten.native_layer_norm.default,
+    "weight-partial",
+    args(x3, [D], lambda g: randn(g, D), lambda g: randn(g, D), 1e-5),
+    shard(1),
+    Partial(),
+    R,
+)
 case(aten._fused_rms_norm.default, "partial", args(lambda g: randn(g, B, D), [D], None, 1e-5), Partial())
 case(aten._fused_rms_norm.default, "replicated-seq", args(x3, [D], lambda g: randn(g, D), None), rs(1), R)
-case(aten.nll_loss_forward.default, "tokens-class-weight",
-     args(lambda g: randn(g, B * S, C).log_softmax(-1), lambda g: ints(g, C, B * S), lambda g: randn(g, C).abs(), 1, -100),
-     shard(0, "zigzag", length=S), rs(0), R, requires_grad=(True, False, False))
-case(aten.nll_loss_forward.default, "tokens-first-half-ignored",
-     args(lambda g: randn(g, S, C).log_softmax(-1), lambda g: torch.cat([torch.full((S // 2,), -100), ints(g, C, S // 2)]),
-          None, 1, -100), shard(0, "even"), rs(0))
-case(aten.nll_loss_forward.default, "tokens-target-sharded",
-     args(lambda g: randn(g, S, C).log_softmax(-1), lambda g: ints(g, C, S), None, 1, -100), shard(0, "uneven"),
-     shard(0, "uneven"))
-case(aten.nll_loss_forward.default, "tokens-target-other-layout",
-     args(lambda g: randn(g, S, C).log_softmax(-1), lambda g: ints(g, C, S), None, 1, -100), shard(0, "zigzag"),
-     shard(0, "even"))
+case(
+    aten.nll_loss_forward.default,
+    "tokens-class-weight",
+    args(
+        lambda g: randn(g, B * S, C).log_softmax(-1), lambda g: ints(g, C, B * S), lambda g: randn(g, C).abs(), 1, -100
+    ),
+    shard(0, "zigzag", length=S),
+    rs(0),
+    R,
+    requires_grad=(True, False, False),
+)
+case(
+    aten.nll_loss_forward.default,
+    "tokens-first-half-ignored",
+    args(
+        lambda g: randn(g, S, C).log_softmax(-1),
+        lambda g: torch.cat([torch.full((S // 2,), -100), ints(g, C, S // 2)]),
+        None,
+        1,
+        -100,
+    ),
+    shard(0, "even"),
+    rs(0),
+)
+case(
+    aten.nll_loss_forward.default,
+    "tokens-target-sharded",
+    args(lambda g: randn(g, S, C).log_softmax(-1), lambda g: ints(g, C, S), None, 1, -100),
+    shard(0, "uneven"),
+    shard(0, "uneven"),
+)
+case(
+    aten.nll_loss_forward.default,
+    "tokens-target-other-layout",
+    args(lambda g: randn(g, S, C).log_softmax(-1), lambda g: ints(g, C, S), None, 1, -100),
+    shard(0, "zigzag"),
+    shard(0, "even"),
+)
 # The tiled LM head + loss (autosp.tile_loss): hidden rows [B*S, D] sharded, chunks of 5 rows, ignored tokens.
 for lay in ALL_LAYOUTS:
-    case(LINEAR_CROSS_ENTROPY, f"tokens-{lay}",
-         args(lambda g: randn(g, B * S, D), lambda g: randn(g, C, D), lambda g: randn(g, C),
-              lambda g: torch.where(mask(g, B * S), -100, ints(g, C, B * S)), -100, "", 5),
-         shard(0, lay, length=S), R, R, rs(0), expect=(Replicate,))
-case(LINEAR_CROSS_ENTROPY, "epilogue-no-bias-target-sharded",
-     args(lambda g: randn(g, S, D), lambda g: randn(g, C, D), None, lambda g: ints(g, C, S), -100, "div:2.0,tanh,mul:2.0", 3),
-     shard(0, "uneven"), R, shard(0, "zigzag"), expect=(Replicate,))
-case(LINEAR_CROSS_ENTROPY, "replicated", args(lambda g: randn(g, S, D), lambda g: randn(g, C, D), None,
-                                              lambda g: ints(g, C, S), -100, "", 4), rs(0), R, rs(0))
+    case(
+        LINEAR_CROSS_ENTROPY,
+        f"tokens-{lay}",
+        args(
+            lambda g: randn(g, B * S, D),
+            lambda g: randn(g, C, D),
+            lambda g: randn(g, C),
+            lambda g: torch.where(mask(g, B * S), -100, ints(g, C, B * S)),
+            -100,
+            "",
+            5,
+        ),
+        shard(0, lay, length=S),
+        R,
+        R,
+        rs(0),
+        expect=(Replicate,),
+    )
+case(
+    LINEAR_CROSS_ENTROPY,
+    "epilogue-no-bias-target-sharded",
+    args(
+        lambda g: randn(g, S, D),
+        lambda g: randn(g, C, D),
+        None,
+        lambda g: ints(g, C, S),
+        -100,
+        "div:2.0,tanh,mul:2.0",
+        3,
+    ),
+    shard(0, "uneven"),
+    R,
+    shard(0, "zigzag"),
+    expect=(Replicate,),
+)
+case(
+    LINEAR_CROSS_ENTROPY,
+    "replicated",
+    args(lambda g: randn(g, S, D), lambda g: randn(g, C, D), None, lambda g: ints(g, C, S), -100, "", 4),
+    rs(0),
+    R,
+    rs(0),
+)
 # A classifier: pooled logits [B, C] and one target per example.
 for reduction in (0, 1, 2):
-    case(aten.nll_loss_forward.default, f"classifier-reduction{reduction}",
-         args(lambda g: randn(g, B, C).log_softmax(-1), lambda g: ints(g, C, B), None, reduction, -100), R, R)
-    case(aten.nll_loss_forward.default, f"classifier-partial-logits-reduction{reduction}",
-         args(lambda g: randn(g, B, C), lambda g: ints(g, C, B), None, reduction, -100), Partial(), R)
+    case(
+        aten.nll_loss_forward.default,
+        f"classifier-reduction{reduction}",
+        args(lambda g: randn(g, B, C).log_softmax(-1), lambda g: ints(g, C, B), None, reduction, -100),
+        R,
+        R,
+    )
+    case(
+        aten.nll_loss_forward.default,
+        f"classifier-partial-logits-reduction{reduction}",
+        args(lambda g: randn(g, B, C), lambda g: ints(g, C, B), None, reduction, -100),
+        Partial(),
+        R,
+    )
 case(aten.arange.default, "seq-length", args(S, dtype=torch.int64, device="cpu", pin_memory=False), seq_len=S)
 case(aten.arange.default, "other-length", args(7), seq_len=S)
 case(aten.arange.start, "seq-length", args(3, S + 3), seq_len=S)
@@ -330,23 +658,54 @@ case(aten.arange.start_step, "seq-length-float", args(0, 2 * S, 2, dtype=F64), s
 
 for lay in SEQ_LAYOUTS:
     case(aten.view.default, f"[B,S,D]->[B*S,D]-{lay}", args(x3, [B * S, D]), shard(1, lay), expect=(Shard,))
-    case(aten.view.default, f"[B*S,D]->[B,S,D]-{lay}", args(lambda g: randn(g, B * S, D), [B, S, D]),
-         shard(0, lay, length=S), expect=(Shard,))
+    case(
+        aten.view.default,
+        f"[B*S,D]->[B,S,D]-{lay}",
+        args(lambda g: randn(g, B * S, D), [B, S, D]),
+        shard(0, lay, length=S),
+        expect=(Shard,),
+    )
     case(aten.view.default, f"split-heads-{lay}", args(x3, [B, S, 2, 2]), shard(1, lay), expect=(Shard,))
-    case(aten.view.default, f"merge-heads-inner-{lay}", args(lambda g: randn(g, B, S, 2, 2), [B, S * 2, 2]),
-         shard(1, lay), expect=(Shard,))
-    case(aten.expand.default, f"[B,S,1]->[B,S,D]-{lay}", args(lambda g: randn(g, B, S, 1), [B, S, D]), shard(1, lay),
-         expect=(Shard,))
-    case(aten.expand.default, f"[S,D]->[B,S,D]-{lay}", args(lambda g: randn(g, S, D), [B, -1, -1]), shard(0, lay),
-         expect=(Shard,))
+    case(
+        aten.view.default,
+        f"merge-heads-inner-{lay}",
+        args(lambda g: randn(g, B, S, 2, 2), [B, S * 2, 2]),
+        shard(1, lay),
+        expect=(Shard,),
+    )
+    case(
+        aten.expand.default,
+        f"[B,S,1]->[B,S,D]-{lay}",
+        args(lambda g: randn(g, B, S, 1), [B, S, D]),
+        shard(1, lay),
+        expect=(Shard,),
+    )
+    case(
+        aten.expand.default,
+        f"[S,D]->[B,S,D]-{lay}",
+        args(lambda g: randn(g, S, D), [B, -1, -1]),
+        shard(0, lay),
+        expect=(Shard,),
+    )
     case(aten.permute.default, f"shard-{lay}", args(x3, [1, 0, 2]), shard(1, lay), expect=(Shard,))
     case(aten.transpose.int, f"shard-{lay}", args(x3, 1, 2), shard(1, lay), expect=(Shard,))
     case(aten.t.default, f"shard-{lay}", args(lambda g: randn(g, S, D)), shard(0, lay), expect=(Shard,))
-    case(aten.cat.default, f"along-D-{lay}", args(lambda g: [x3(g), randn(g, B, S, 2)], 2), shard(1, lay), R,
-         expect=(Shard,))
+    case(
+        aten.cat.default,
+        f"along-D-{lay}",
+        args(lambda g: [x3(g), randn(g, B, S, 2)], 2),
+        shard(1, lay),
+        R,
+        expect=(Shard,),
+    )
     case(aten.split.Tensor, f"along-D-{lay}", args(x3, 3, 2), shard(1, lay), expect=(Shard, Shard))
-    case(aten.unbind.int, f"qkv-{lay}", args(lambda g: randn(g, B, S, 3, D), 2), shard(1, lay),
-         expect=(Shard, Shard, Shard))
+    case(
+        aten.unbind.int,
+        f"qkv-{lay}",
+        args(lambda g: randn(g, B, S, 3, D), 2),
+        shard(1, lay),
+        expect=(Shard, Shard, Shard),
+    )
 for lay in ALL_LAYOUTS:
     case(aten.slice.Tensor, f"[:,1:]-{lay}", args(x3, 1, 1, END), shard(1, lay))
     case(aten.slice.Tensor, f"[:,:-1]-{lay}", args(x3, 1, 0, -1), shard(1, lay))
@@ -374,8 +733,13 @@ case(aten.select.int, "partial", args(lambda g: randn(g, B, 3, D), 1, 2), Partia
 case(aten.select.int, "folded-[B*S,D]", args(lambda g: randn(g, B * S, D), 0, 5), shard(0, "zigzag", length=S))
 case(aten.select.int, "head-sharded-batch", args(lambda g: randn(g, B, 4, S, 2), 0, 1), head_shard(1))
 case(aten.select.int, "head-sharded-head", args(lambda g: randn(g, B, 4, S, 2), 1, 2), head_shard(1))
-case(aten.view.default, "[B,S,2,2]->[B*S*2,2]", args(lambda g: randn(g, B, S, 2, 2), [B * S * 2, 2]),
-     shard(1, "zigzag"), expect=(Shard,))
+case(
+    aten.view.default,
+    "[B,S,2,2]->[B*S*2,2]",
+    args(lambda g: randn(g, B, S, 2, 2), [B * S * 2, 2]),
+    shard(1, "zigzag"),
+    expect=(Shard,),
+)
 case(aten.view.default, "splits-seq", args(x3, [B, 2, S // 2, D]), shard(1, "zigzag"))
 case(aten.view.default, "partial", args(lambda g: randn(g, B, 6), [B, 2, 3]), Partial())
 case(aten.view.default, "replicated-seq", args(x3, [B * S, D]), rs(1))
@@ -396,8 +760,13 @@ case(aten.squeeze.default, "partial", args(lambda g: randn(g, 1, B, 1)), Partial
 case(aten.flatten.using_ints, "batch-and-seq", args(x3, 0, 1), shard(1, "zigzag"), expect=(Shard,))
 case(aten.flatten.using_ints, "seq-and-D", args(x3, 1, 2), shard(1, "uneven"), expect=(Shard,))
 case(aten.flatten.using_ints, "partial", args(lambda g: randn(g, B, 3, D), 1, 2), Partial())
-case(aten.unflatten.int, "[B*S,D]->[B,S,D]", args(lambda g: randn(g, B * S, D), 0, [B, S]),
-     shard(0, "zigzag", length=S), expect=(Shard,))
+case(
+    aten.unflatten.int,
+    "[B*S,D]->[B,S,D]",
+    args(lambda g: randn(g, B * S, D), 0, [B, S]),
+    shard(0, "zigzag", length=S),
+    expect=(Shard,),
+)
 case(aten.unflatten.int, "D->heads", args(x3, 2, [2, 2]), shard(1, "uneven"), expect=(Shard,))
 case(aten.unflatten.int, "partial", args(lambda g: randn(g, B, 6), 1, [2, 3]), Partial())
 case(aten.expand.default, "partial", args(lambda g: randn(g, 1, D), [B, D]), Partial())
@@ -423,8 +792,14 @@ case(aten.unbind.int, "head-sharded", args(lambda g: randn(g, B, 4, 2), 0), head
 case(aten.cat.default, "prepend-token", args(lambda g: [randn(g, B, 1, D), x3(g)], 1), R, shard(1, "even"))
 case(aten.cat.default, "prepend-token-zigzag", args(lambda g: [randn(g, B, 1, D), x3(g)], 1), R, shard(1, "zigzag"))
 case(aten.cat.default, "append-token-seq-replicated", args(lambda g: [x3(g), randn(g, B, 1, D)], 1), rs(1), R)
-case(aten.cat.default, "along-D-layouts-differ", args(lambda g: [x3(g), x3(g)], -1), shard(1, "even"), shard(1, "zigzag"),
-     expect=(Shard,))
+case(
+    aten.cat.default,
+    "along-D-layouts-differ",
+    args(lambda g: [x3(g), x3(g)], -1),
+    shard(1, "even"),
+    shard(1, "zigzag"),
+    expect=(Shard,),
+)
 case(aten.cat.default, "along-D-partial", args(lambda g: [randn(g, B, D), randn(g, B, 2)], 1), Partial(), R)
 case(aten.cat.default, "batch", args(lambda g: [x3(g), x3(g)], 0), shard(1, "uneven"), rs(1), expect=(Shard,))
 case(aten.cat.default, "single", args(lambda g: [x3(g)], 1), shard(1, "zigzag"))
@@ -438,30 +813,71 @@ case(aten.sym_size.int, "partial", args(lambda g: randn(g, B, D), 0), Partial())
 
 for lay in SEQ_LAYOUTS:
     case(aten.add.Tensor, f"shard+shard-{lay}", args(x3, x3), shard(1, lay), shard(1, lay), expect=(Shard,))
-    case(aten.mul.Tensor, f"shard*replicated[D]-{lay}", args(x3, lambda g: randn(g, D)), shard(1, lay), R,
-         expect=(Shard,))
-    case(aten.add.Tensor, f"shard+positions[S,1]-{lay}", args(x3, lambda g: randn(g, S, 1)), shard(1, lay), rs(0),
-         expect=(Shard,))
+    case(
+        aten.mul.Tensor,
+        f"shard*replicated[D]-{lay}",
+        args(x3, lambda g: randn(g, D)),
+        shard(1, lay),
+        R,
+        expect=(Shard,),
+    )
+    case(
+        aten.add.Tensor,
+        f"shard+positions[S,1]-{lay}",
+        args(x3, lambda g: randn(g, S, 1)),
+        shard(1, lay),
+        rs(0),
+        expect=(Shard,),
+    )
     case(aten.gelu.default, f"shard-{lay}", args(x3), shard(1, lay), expect=(Shard,))
-case(aten.add.Tensor, "folded+replicated", args(lambda g: randn(g, B * S, D), lambda g: randn(g, B * S, D)),
-     shard(0, "zigzag", length=S), R, expect=(Shard,))
-case(aten.add.Tensor, "folded-layouts-differ", args(lambda g: randn(g, B * S, D), lambda g: randn(g, B * S, D)),
-     shard(0, "uneven", length=S), shard(0, "zigzag", length=S), expect=(Shard,))
+case(
+    aten.add.Tensor,
+    "folded+replicated",
+    args(lambda g: randn(g, B * S, D), lambda g: randn(g, B * S, D)),
+    shard(0, "zigzag", length=S),
+    R,
+    expect=(Shard,),
+)
+case(
+    aten.add.Tensor,
+    "folded-layouts-differ",
+    args(lambda g: randn(g, B * S, D), lambda g: randn(g, B * S, D)),
+    shard(0, "uneven", length=S),
+    shard(0, "zigzag", length=S),
+    expect=(Shard,),
+)
 # An outer-product mask [S,1] x [1,S]: operands sharded on different output dims.
-case(aten.mul.Tensor, "outer-product-shards", args(lambda g: randn(g, S, 1), lambda g: randn(g, 1, S)),
-     shard(0, "zigzag"), shard(1, "uneven"))
+case(
+    aten.mul.Tensor,
+    "outer-product-shards",
+    args(lambda g: randn(g, S, 1), lambda g: randn(g, 1, S)),
+    shard(0, "zigzag"),
+    shard(1, "uneven"),
+)
 case(aten.add.Tensor, "layouts-differ", args(x3, x3), shard(1, "even"), shard(1, "zigzag"), expect=(Shard,))
-case(aten.add.Tensor, "broadcast-[B,1,D]", args(x3, lambda g: randn(g, B, 1, D)), shard(1, "uneven"), R, expect=(Shard,))
+case(
+    aten.add.Tensor, "broadcast-[B,1,D]", args(x3, lambda g: randn(g, B, 1, D)), shard(1, "uneven"), R, expect=(Shard,)
+)
 case(aten.add.Tensor, "partial+partial", args(lambda g: randn(g, B, D), lambda g: randn(g, B, D)), Partial(), Partial())
 case(aten.add.Tensor, "partial+replicated", args(lambda g: randn(g, B, D), lambda g: randn(g, B, D)), Partial(), R)
 case(aten.add.Tensor, "partial+scalar", args(lambda g: randn(g, B, D), 1.5), Partial())
-case(aten.add.Tensor, "partial+partial-alpha", args(lambda g: randn(g, B, D), lambda g: randn(g, B, D), alpha=2),
-     Partial(), Partial())
+case(
+    aten.add.Tensor,
+    "partial+partial-alpha",
+    args(lambda g: randn(g, B, D), lambda g: randn(g, B, D), alpha=2),
+    Partial(),
+    Partial(),
+)
 case(aten.add.Tensor, "partial+shard", args(lambda g: randn(g, B, S, D), x3), Partial(), shard(1, "zigzag"))
 # A partial count of tokens (int), as in "index of the last real token = mask.sum(1) - 1".
 case(aten.sub.Tensor, "partial-int-minus-1", args(lambda g: ints(g, S, B), 1), Partial())
-case(aten.div.Tensor, "partial/partial-int-count", args(lambda g: randn(g, B, D), lambda g: ints(g, S, B, 1) + 1),
-     Partial(), Partial())
+case(
+    aten.div.Tensor,
+    "partial/partial-int-count",
+    args(lambda g: randn(g, B, D), lambda g: ints(g, S, B, 1) + 1),
+    Partial(),
+    Partial(),
+)
 case(aten.sub.Tensor, "partial-partial", args(lambda g: randn(g, B, D), lambda g: randn(g, B, D)), Partial(), Partial())
 case(aten.sub.Tensor, "partial-scalar", args(lambda g: randn(g, B, D), 2.0), Partial())
 case(aten.mul.Tensor, "partial*replicated", args(lambda g: randn(g, B, D), lambda g: randn(g, B, D)), Partial(), R)
@@ -475,7 +891,9 @@ case(aten.pow.Tensor_Scalar, "partial", args(lambda g: randn(g, B, D), 2), Parti
 case(aten.rsqrt.default, "shard", args(lambda g: randn(g, B, S, D).abs() + 1), shard(1, "zigzag_sliced"))
 case(aten.sigmoid.default, "head-sharded", args(lambda g: randn(g, B, 4, S)), head_shard(1))
 case(aten.eq.Scalar, "partial-int-count", args(lambda g: ints(g, 3, B, D), 0), Partial())
-case(aten.index_select.default, "partial-int-index", args(x3, 1, lambda g: ints(g, S, 3)), shard(1, "zigzag"), Partial())
+case(
+    aten.index_select.default, "partial-int-index", args(x3, 1, lambda g: ints(g, S, 3)), shard(1, "zigzag"), Partial()
+)
 case(aten.pow.Scalar, "scalar-base-shard", args(2.0, x3), shard(1, "uneven"), expect=(Shard,))
 case(aten.eq.Scalar, "shard-bool-out", args(lambda g: ints(g, 3, B, S), 1), shard(1, "zigzag"))
 case(aten.lt.Tensor, "shard<replicated", args(x3, lambda g: randn(g, D)), shard(1, "uneven"), R)
@@ -498,10 +916,22 @@ for lay in ("even", "zigzag"):
     case(aten.index_select.default, f"seq-{lay}", args(x3, 1, lit(torch.tensor([0, S - 1, 7]))), shard(1, lay), R)
     case(aten.gather.default, f"seq-{lay}", args(x3, 1, lambda g: ints(g, S, B, 3, D)), shard(1, lay), R)
     # Token log-probs: logp.gather(-1, labels[..., None]), labels sharded like logp or whole.
-    case(aten.gather.default, f"token-logp-{lay}", args(x3, 2, lambda g: ints(g, D, B, S, 1)), shard(1, lay),
-         shard(1, lay), expect=(Shard,))
-    case(aten.gather.default, f"token-logp-whole-labels-{lay}", args(x3, -1, lambda g: ints(g, D, B, S, 2)),
-         shard(1, lay), rs(1), expect=(Shard,))
+    case(
+        aten.gather.default,
+        f"token-logp-{lay}",
+        args(x3, 2, lambda g: ints(g, D, B, S, 1)),
+        shard(1, lay),
+        shard(1, lay),
+        expect=(Shard,),
+    )
+    case(
+        aten.gather.default,
+        f"token-logp-whole-labels-{lay}",
+        args(x3, -1, lambda g: ints(g, D, B, S, 2)),
+        shard(1, lay),
+        rs(1),
+        expect=(Shard,),
+    )
     case(aten.index.Tensor, f"seq-{lay}", args(x3, [None, lit(torch.tensor([S - 1, 2]))]), shard(1, lay), R)
     case(aten.diagonal.default, f"[S,S]-rows-{lay}", args(sq), shard(0, lay))
     case(aten.argmax.default, f"over-seq-{lay}", args(x3, 1), shard(1, lay))
@@ -511,11 +941,23 @@ for lay in ("even", "zigzag"):
     case(aten.cumsum.default, f"partial-{lay}", args(lambda g: randn(g, B, 3), 1), Partial())
 case(aten.cumsum.default, "over-D", args(x3, 2), shard(1, "uneven"))
 case(aten.amax.default, "partial", args(lambda g: randn(g, B, D), [1]), Partial())
-case(aten.gather.default, "token-logp-sharded-labels-only", args(x3, 2, lambda g: ints(g, D, B, S, 1)), R,
-     shard(1, "zigzag"), expect=(Shard,))
+case(
+    aten.gather.default,
+    "token-logp-sharded-labels-only",
+    args(x3, 2, lambda g: ints(g, D, B, S, 1)),
+    R,
+    shard(1, "zigzag"),
+    expect=(Shard,),
+)
 case(aten.gather.default, "index-shorter-on-seq", args(x3, 2, lambda g: ints(g, D, B, S - 2, 1)), shard(1), R)
-case(aten.gather.default, "folded-[B*S,V]", args(lambda g: randn(g, B * S, D), 1, lambda g: ints(g, D, B * S, 1)),
-     shard(0, "zigzag", length=S), R, expect=(Shard,))
+case(
+    aten.gather.default,
+    "folded-[B*S,V]",
+    args(lambda g: randn(g, B * S, D), 1, lambda g: ints(g, D, B * S, 1)),
+    shard(0, "zigzag", length=S),
+    R,
+    expect=(Shard,),
+)
 case(aten.gather.default, "replicated", args(x3, 2, lambda g: ints(g, D, B, S, 1)), rs(1), R)
 
 # Attention that is no variant's site: queries' rows against a memory every rank holds whole (cross-attention).
@@ -534,23 +976,68 @@ def mem(g: torch.Generator) -> torch.Tensor:
 
 
 for lay in ALL_LAYOUTS:
-    case(SDPA_LEAF, f"cross-{lay}", args(q4, mem, mem), shard(2, lay), R, R, expect=(Shard,),
-         requires_grad=(False, False, False))
-    case(SDPA_LEAF, f"cross-row-mask-{lay}", args(q4, mem, mem, lambda g: randn(g, B, 1, S, 5)),
-         shard(2, lay), R, R, R, expect=(Shard,), **NO_GRAD)
-case(SDPA_LEAF, "cross-broadcast-mask", args(q4, mem, mem, lambda g: randn(g, 1, 1, 1, 5)), shard(2, "zigzag"),
-     R, R, R, expect=(Shard,), **NO_GRAD)
-case(SDPA_LEAF, "cross-causal-falls-back", args(q4, mem, mem, is_causal=True), shard(2), R, R,
-     requires_grad=(False, False, False))
-case(SDPA_LEAF, "self-kv-sharded-falls-back", args(q4, q4, q4), shard(2), shard(2), shard(2),
-     requires_grad=(False, False, False))
+    case(
+        SDPA_LEAF,
+        f"cross-{lay}",
+        args(q4, mem, mem),
+        shard(2, lay),
+        R,
+        R,
+        expect=(Shard,),
+        requires_grad=(False, False, False),
+    )
+    case(
+        SDPA_LEAF,
+        f"cross-row-mask-{lay}",
+        args(q4, mem, mem, lambda g: randn(g, B, 1, S, 5)),
+        shard(2, lay),
+        R,
+        R,
+        R,
+        expect=(Shard,),
+        **NO_GRAD,
+    )
+case(
+    SDPA_LEAF,
+    "cross-broadcast-mask",
+    args(q4, mem, mem, lambda g: randn(g, 1, 1, 1, 5)),
+    shard(2, "zigzag"),
+    R,
+    R,
+    R,
+    expect=(Shard,),
+    **NO_GRAD,
+)
+case(
+    SDPA_LEAF,
+    "cross-causal-falls-back",
+    args(q4, mem, mem, is_causal=True),
+    shard(2),
+    R,
+    R,
+    requires_grad=(False, False, False),
+)
+case(
+    SDPA_LEAF,
+    "self-kv-sharded-falls-back",
+    args(q4, q4, q4),
+    shard(2),
+    shard(2),
+    shard(2),
+    requires_grad=(False, False, False),
+)
 
 # An MoE router's top-k over experts: token-wise; over the sequence it gathers.
 for lay in ("even", "zigzag", "first_empty"):
     case(aten.topk.default, f"experts-{lay}", args(x3, 2, -1), shard(1, lay), expect=(Shard, Shard))
     case(aten.sort.default, f"experts-{lay}", args(x3, -1), shard(1, lay), expect=(Shard, Shard))
-case(aten.topk.default, "folded-[B*S,E]", args(lambda g: randn(g, B * S, D), 3, 1), shard(0, "zigzag", length=S),
-     expect=(Shard, Shard))
+case(
+    aten.topk.default,
+    "folded-[B*S,E]",
+    args(lambda g: randn(g, B * S, D), 3, 1),
+    shard(0, "zigzag", length=S),
+    expect=(Shard, Shard),
+)
 case(aten.topk.default, "over-seq-falls-back", args(x3, 3, 1), shard(1, "zigzag"))
 case(aten.sort.default, "over-seq-falls-back", args(x3, 1), shard(1))
 
@@ -566,8 +1053,17 @@ def test_rule_matches_the_unsharded_op(c: Case, world: int) -> None:
     call_args, call_kwargs = c.make(g)
     # Tracing under make_fx (as autosp.shard does) costs ~7 ms a rank: once per case, at P = 3, is enough
     # to catch a rule that reads tensor data; values and gradients are checked at every P.
-    check_op(c.op, call_args, call_kwargs, placements=c.placements, world=world, expect=c.expect,
-             seed=_case_seed(c), trace=world == 3, **c.options)
+    check_op(
+        c.op,
+        call_args,
+        call_kwargs,
+        placements=c.placements,
+        world=world,
+        expect=c.expect,
+        seed=_case_seed(c),
+        trace=world == 3,
+        **c.options,
+    )
 
 
 def test_every_rule_has_a_case() -> None:
@@ -614,10 +1110,10 @@ def test_simulated_ranks_exchange_data_and_gradients() -> None:
     x = torch.arange(2 * 8 * 6, dtype=F64).reshape(2, 8, 6)
 
     def rank_fn(rank: int, group: str) -> tuple[bool, bool]:
-        local = x[:, rank * 4:(rank + 1) * 4].clone().requires_grad_()
+        local = x[:, rank * 4 : (rank + 1) * 4].clone().requires_grad_()
         heads = C.all_to_all(local, 2, 1, group)  # sequence-sharded -> head-sharded
         heads.sum().backward()
-        return torch.equal(heads, x[:, :, rank * 3:(rank + 1) * 3]), bool(local.grad.eq(1).all())
+        return torch.equal(heads, x[:, :, rank * 3 : (rank + 1) * 3]), bool(local.grad.eq(1).all())
 
     assert simulate(rank_fn, 2) == [(True, True), (True, True)]
 

@@ -88,10 +88,13 @@ def test_other_heads_are_tiled(make) -> None:
     assert len(notes) == 1 and notes[0].startswith("tile_loss: tiled"), notes
 
 
-@pytest.mark.parametrize(("make", "why"), [
-    (lambda: SoftcapHead(smoothing=0.1), "used beyond the loss"),
-    (lambda: SoftcapHead(return_logits=True), "used elsewhere"),
-])
+@pytest.mark.parametrize(
+    ("make", "why"),
+    [
+        (lambda: SoftcapHead(smoothing=0.1), "used beyond the loss"),
+        (lambda: SoftcapHead(return_logits=True), "used elsewhere"),
+    ],
+)
 def test_left_as_is_when_not_provably_exact_or_logits_live(make, why: str) -> None:
     notes = _compare(make, "aot_eager", 10)
     assert len(notes) == 1 and "not tiled" in notes[0] and why in notes[0], notes

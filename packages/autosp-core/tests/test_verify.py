@@ -71,8 +71,14 @@ def test_correct_model_passes_and_is_left_as_it_was():
     assert isinstance(report, VerifyReport) and report.ok and report.sp_size == 1 and report.failed_ranks == []
     assert [c.name for c in report.outputs] == ["output['loss']", "output['side']"]
     # Every parameter with a gradient was compared; the unused layer has one in neither run.
-    assert sorted(c.name for c in report.grads) == ["a.bias", "a.weight", "b.bias", "b.weight", "embed.bias",
-                                                    "embed.weight"]
+    assert sorted(c.name for c in report.grads) == [
+        "a.bias",
+        "a.weight",
+        "b.bias",
+        "b.weight",
+        "embed.bias",
+        "embed.weight",
+    ]
     assert report.graphs == 1 and report.tolerance_dtype == "float32"
     assert (report.rtol, report.atol) == DEFAULT_TOLERANCES[torch.float32]
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())

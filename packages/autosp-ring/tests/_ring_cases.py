@@ -100,8 +100,13 @@ def compile_model(name: str, variant: str, world: int, options: dict | None, sac
     torch._dynamo.reset()  # each model compiles once; stay under Dynamo's recompile limit
     model = build(name)
     return autosp.compile(
-        model, sp_size=world if world > 1 else None, variant=variant, backend="aot_eager", sac=sac,
-        variant_options=options, fullgraph=True,
+        model,
+        sp_size=world if world > 1 else None,
+        variant=variant,
+        backend="aot_eager",
+        sac=sac,
+        variant_options=options,
+        fullgraph=True,
     )
 
 
@@ -177,14 +182,17 @@ def op_mask_errors(rank: int, world: int, kind: str, zigzag: bool) -> list[float
     pieces = segments(rank, chunk, world, zigzag)
 
     def local(t: torch.Tensor) -> torch.Tensor:
-        return torch.cat([t[:, :, g:g + n] for g, n, _ in pieces], dim=2)
+        return torch.cat([t[:, :, g : g + n] for g, n, _ in pieces], dim=2)
 
     ql, kl, vl = (local(t).clone().requires_grad_() for t in (q, k, v))
     got, _ = torch.ops.autosp_ring.ring_attention(
-        ql, kl, vl, kind == "bias", dim ** -0.5, 0, zigzag, dist.group.WORLD.group_name, mask)
+        ql, kl, vl, kind == "bias", dim**-0.5, 0, zigzag, dist.group.WORLD.group_name, mask
+    )
     got.backward(local(dout))
-    errs = [(a - local(full)).abs().max().item() for a, full in
-            [(got, ref), (ql.grad, qf.grad), (kl.grad, kf.grad), (vl.grad, vf.grad)]]
+    errs = [
+        (a - local(full)).abs().max().item()
+        for a, full in [(got, ref), (ql.grad, qf.grad), (kl.grad, kf.grad), (vl.grad, vf.grad)]
+    ]
     if kind == "bias":
         dmask = mask.grad.clone()
         dist.all_reduce(dmask)
@@ -205,8 +213,11 @@ def run(rank: int, world: int, jobs: list[tuple], b: dict, memory: list[str], op
 
     results: dict[str, Any] = {"ops": [op_errors(rank, world, cfg) for cfg in ops]}
     if ops:
-        results["mask_ops"] = {(kind, zz): op_mask_errors(rank, world, kind, zz)
-                               for kind in ("bool", "bias", "rows") for zz in (False, True)}
+        results["mask_ops"] = {
+            (kind, zz): op_mask_errors(rank, world, kind, zz)
+            for kind in ("bool", "bias", "rows")
+            for zz in (False, True)
+        }
     for name, variant, options in jobs:
         BLOCK_COUNTS.clear()
         compiled = compile_model(name, variant, world, options)

@@ -12,16 +12,31 @@ from harness import run_spmd
 
 SEQ = 32
 OPS_2 = [(2, 4, 2, SEQ, 8, True, 0), (2, 3, 3, SEQ, 8, False, 0)]
-OPS_4 = [(1, 6, 1, SEQ, 8, True, 0), (1, 4, 2, SEQ, 8, True, 5), (1, 4, 2, SEQ, 8, True, 12), (1, 3, 3, SEQ, 8, False, 0)]
+OPS_4 = [
+    (1, 6, 1, SEQ, 8, True, 0),
+    (1, 4, 2, SEQ, 8, True, 5),
+    (1, 4, 2, SEQ, 8, True, 12),
+    (1, 3, 3, SEQ, 8, False, 0),
+]
 HYB = {"ulysses_degree": 2}
 JOBS_2 = [
-    ("llama", "ring", None), ("gpt2", "ring", None), ("encoder-h6", "ring", None), ("llama-h3", "ring", None),
-    ("window-op", "ring", None), ("llama-mask", "ring", None), ("llama-h3", "hybrid", HYB),
+    ("llama", "ring", None),
+    ("gpt2", "ring", None),
+    ("encoder-h6", "ring", None),
+    ("llama-h3", "ring", None),
+    ("window-op", "ring", None),
+    ("llama-mask", "ring", None),
+    ("llama-h3", "hybrid", HYB),
 ]
 JOBS_4 = [
-    ("llama", "ring", None), ("llama-h3", "ring", None), ("encoder-h6", "ring", None),
-    ("llama", "hybrid", HYB), ("llama-mqa", "hybrid", HYB), ("encoder-h6", "hybrid", HYB),
-    ("window-op", "hybrid", HYB), ("llama-mask", "hybrid", HYB),
+    ("llama", "ring", None),
+    ("llama-h3", "ring", None),
+    ("encoder-h6", "ring", None),
+    ("llama", "hybrid", HYB),
+    ("llama-mqa", "hybrid", HYB),
+    ("encoder-h6", "hybrid", HYB),
+    ("window-op", "hybrid", HYB),
+    ("llama-mask", "hybrid", HYB),
 ]
 FAILING = {("llama-h3", "hybrid")}
 
@@ -124,8 +139,10 @@ def test_compile_time_errors(two):
 def test_causal_work_is_balanced_by_the_zigzag_layout(two, four):
     # Rank r holds chunks r and 2P-1-r: every rank computes the same number of causal blocks.
     for per_rank in (two, four):
-        counts = [(r["llama/ring"]["blocks"][("forward", "computed")],
-                   r["llama/ring"]["blocks"][("backward", "computed")]) for r in per_rank]
+        counts = [
+            (r["llama/ring"]["blocks"][("forward", "computed")], r["llama/ring"]["blocks"][("backward", "computed")])
+            for r in per_rank
+        ]
         assert len(set(counts)) == 1, counts
         world = len(per_rank)
         layers = per_rank[0]["llama/ring"]["sites"]

@@ -27,16 +27,19 @@ def simulate(monkeypatch, *, hip: str | None, name: str, arch: str = "", memory:
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: props)
 
 
-@pytest.mark.parametrize("name, arch, memory, expected", [
-    ("AMD Instinct MI250X", "gfx90a:sramecc+:xnack-", 64 * GiB, "mi250x"),
-    ("AMD Instinct MI300X", "gfx942:sramecc+:xnack-", 192 * GiB, "mi300x"),
-    ("AMD Instinct MI325X", "gfx942:sramecc+:xnack-", 256 * GiB, "mi325x"),
-    # Some ROCm releases name every device alike: the memory size tells MI300X from MI325X.
-    ("AMD Radeon Graphics", "gfx942:sramecc+:xnack-", 256 * GiB, "mi325x"),
-    ("AMD Radeon Graphics", "gfx942:sramecc+:xnack-", 192 * GiB, "mi300x"),
-    ("AMD Instinct MI355X", "gfx950:sramecc+:xnack-", 288 * GiB, "mi355x"),
-    ("AMD Radeon RX 7900 XTX", "gfx1100", 24 * GiB, "cuda"),  # an unknown arch: the generic GPU profile
-])
+@pytest.mark.parametrize(
+    "name, arch, memory, expected",
+    [
+        ("AMD Instinct MI250X", "gfx90a:sramecc+:xnack-", 64 * GiB, "mi250x"),
+        ("AMD Instinct MI300X", "gfx942:sramecc+:xnack-", 192 * GiB, "mi300x"),
+        ("AMD Instinct MI325X", "gfx942:sramecc+:xnack-", 256 * GiB, "mi325x"),
+        # Some ROCm releases name every device alike: the memory size tells MI300X from MI325X.
+        ("AMD Radeon Graphics", "gfx942:sramecc+:xnack-", 256 * GiB, "mi325x"),
+        ("AMD Radeon Graphics", "gfx942:sramecc+:xnack-", 192 * GiB, "mi300x"),
+        ("AMD Instinct MI355X", "gfx950:sramecc+:xnack-", 288 * GiB, "mi355x"),
+        ("AMD Radeon RX 7900 XTX", "gfx1100", 24 * GiB, "cuda"),  # an unknown arch: the generic GPU profile
+    ],
+)
 def test_simulated_rocm_devices_select_their_profile(monkeypatch, name, arch, memory, expected):
     simulate(monkeypatch, hip="6.4.43482", name=name, arch=arch, memory=memory)
     profile, where = resolve(None, torch.device("cuda", 0), get_registry())

@@ -27,13 +27,16 @@ def _sdpa_inputs(dtype):
     return q, k, v
 
 
-@pytest.mark.parametrize("dtype, profile, repeated", [
-    (torch.float32, "mi300x", True),  # flash takes no fp32; efficient takes no GQA: repeat
-    (torch.bfloat16, "mi300x", False),  # flash takes it as is
-    # The mode follows any profile's kernel facts (the pass that installs it is ROCm's).
-    (torch.float32, "h100-80gb", True),
-    (torch.float32, "cpu", False),  # CPU flash takes GQA in fp32
-])
+@pytest.mark.parametrize(
+    "dtype, profile, repeated",
+    [
+        (torch.float32, "mi300x", True),  # flash takes no fp32; efficient takes no GQA: repeat
+        (torch.bfloat16, "mi300x", False),  # flash takes it as is
+        # The mode follows any profile's kernel facts (the pass that installs it is ROCm's).
+        (torch.float32, "h100-80gb", True),
+        (torch.float32, "cpu", False),  # CPU flash takes GQA in fp32
+    ],
+)
 def test_the_mode_repeats_kv_only_where_the_kernels_need_it(dtype, profile, repeated):
     hw = builtin_profile(profile)
     counts: Counter = Counter()
@@ -84,8 +87,7 @@ def fake_two_ranks():
 def test_gqa_model_on_simulated_mi300x_reaches_a_fused_kernel(fake_two_ranks, dtype, note):
     torch._dynamo.reset()
     model = GQAAttention().to(dtype)
-    compiled = autosp.compile(model, sp_size=2, hardware="mi300x", backend="aot_eager", sac=False,
-                              check_inputs=False)
+    compiled = autosp.compile(model, sp_size=2, hardware="mi300x", backend="aot_eager", sac=False, check_inputs=False)
     compiled(torch.randn(1, 16, 32, dtype=dtype))
     report = str(compiled.autosp_reports[0])
     assert "hardware profile: mi300x (hardware='mi300x'" in report

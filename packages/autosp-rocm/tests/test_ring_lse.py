@@ -18,8 +18,9 @@ from autosp_ring.op import ring_attention  # noqa: E402
 def cpu_fused(q, k, v, scale, mask):
     """A real fused kernel returning a natural lse: aten's CPU flash attention."""
     bias = None if mask is None else torch.zeros(mask.shape, dtype=q.dtype).masked_fill(~mask, float("-inf"))
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias,
-                                                                           scale=scale)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, False, attn_mask=bias, scale=scale
+    )
     return out, lse
 
 
@@ -38,19 +39,26 @@ def one_rank_group(tmp_path_factory):
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("kernel, exact", [
-    (blocks.REFERENCE_KERNEL, True),
-    (BlockKernel("cpu flash (lse base e)", cpu_fused), True),
-    (BlockKernel("simulated AOTriton < 0.11 (lse base 2)", base2, lse_base=2.0), True),
-    # The failure the conversion prevents: a base-2 lse trusted as natural weights blocks wrongly.
-    (BlockKernel("base 2 taken for base e", base2), False),
-])
+@pytest.mark.parametrize(
+    "kernel, exact",
+    [
+        (blocks.REFERENCE_KERNEL, True),
+        (BlockKernel("cpu flash (lse base e)", cpu_fused), True),
+        (BlockKernel("simulated AOTriton < 0.11 (lse base 2)", base2, lse_base=2.0), True),
+        # The failure the conversion prevents: a base-2 lse trusted as natural weights blocks wrongly.
+        (BlockKernel("base 2 taken for base e", base2), False),
+    ],
+)
 def test_ring_merge_converts_the_kernels_lse_base(one_rank_group, kernel, exact):
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 4, 16, 8) for _ in range(3))
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    ref_lse = torch.logsumexp((q @ k.transpose(-1, -2) / math.sqrt(8)).masked_fill(
-        torch.ones(16, 16, dtype=torch.bool).triu(1), float("-inf")), -1)
+    ref_lse = torch.logsumexp(
+        (q @ k.transpose(-1, -2) / math.sqrt(8)).masked_fill(
+            torch.ones(16, 16, dtype=torch.bool).triu(1), float("-inf")
+        ),
+        -1,
+    )
     previous = set_block_kernel(kernel)
     try:
         out, lse = ring_attention(q, k, v, True, 1 / math.sqrt(8), 0, True, one_rank_group)

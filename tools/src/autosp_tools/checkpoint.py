@@ -97,15 +97,19 @@ def problem(path: str | Path) -> str | None:
         return "is empty (0 bytes)"
     sums = checksum_path(p)
     if not sums.is_file():
-        return (f"has no checksum file {sums.name} (written by an older autosp-train, or copied without it; "
-                f"if you trust the file, vouch for it with: sha256sum {p} > {sums})")
+        return (
+            f"has no checksum file {sums.name} (written by an older autosp-train, or copied without it; "
+            f"if you trust the file, vouch for it with: sha256sum {p} > {sums})"
+        )
     fields = sums.read_text(errors="replace").split()
     if not fields or len(fields[0]) != 64:
         return f"its checksum file {sums.name} is unreadable"
     actual = sha256_file(p)
     if actual != fields[0]:
-        return (f"is corrupt: its SHA-256 is {actual[:12]}..., its checksum file says {fields[0][:12]}... "
-                f"({size:,} bytes: truncated, overwritten or bit-flipped)")
+        return (
+            f"is corrupt: its SHA-256 is {actual[:12]}..., its checksum file says {fields[0][:12]}... "
+            f"({size:,} bytes: truncated, overwritten or bit-flipped)"
+        )
     return None
 
 
@@ -130,8 +134,11 @@ def newest_good(directory: str | Path) -> Path | None:
 
 def _bad(path: Path, why: str) -> CheckpointError:
     good = newest_good(path.parent)
-    hint = (f"the newest good checkpoint is {good}: resume from it with --resume {good}, or with --resume auto"
-            if good is not None else f"there is no good checkpoint in {path.parent}")
+    hint = (
+        f"the newest good checkpoint is {good}: resume from it with --resume {good}, or with --resume auto"
+        if good is not None
+        else f"there is no good checkpoint in {path.parent}"
+    )
     return CheckpointError(f"checkpoint {path} {why}; {hint}")
 
 
@@ -167,8 +174,10 @@ def resolve(resume: str, directory: str | None) -> Resolved:
             skipped.append((p, why))
         if skipped:
             listing = "; ".join(f"{p.name} {why}" for p, why in skipped)
-            raise CheckpointError(f"--resume auto: no good checkpoint in {directory}: {listing}; "
-                                  "start afresh in an empty --checkpoint-dir")
+            raise CheckpointError(
+                f"--resume auto: no good checkpoint in {directory}: {listing}; "
+                "start afresh in an empty --checkpoint-dir"
+            )
         return Resolved(None, note=f"--resume auto: no checkpoint in {directory} yet; starting at step 1")
     p = Path(directory) if resume == "latest" else Path(resume)  # type: ignore[arg-type]
     if p.is_dir():
@@ -190,8 +199,11 @@ def clean_stale(directory: str | Path) -> list[Path]:
     if not d.is_dir():
         return []
     stale = [p for p in d.glob(f"{PREFIX}*{TMP_SUFFIX}") if p.is_file()]
-    stale += [s for s in d.glob(f"{PREFIX}*{SUFFIX}{CHECKSUM_SUFFIX}")
-              if not s.with_name(s.name[: -len(CHECKSUM_SUFFIX)]).exists()]
+    stale += [
+        s
+        for s in d.glob(f"{PREFIX}*{SUFFIX}{CHECKSUM_SUFFIX}")
+        if not s.with_name(s.name[: -len(CHECKSUM_SUFFIX)]).exists()
+    ]
     for p in stale:
         p.unlink(missing_ok=True)
     return sorted(stale)
@@ -219,8 +231,25 @@ def load_meta(path: str | Path) -> dict[str, Any]:
 
 def meta_mismatch(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     keys = sorted(set(saved) | set(current))
-    return [f"{k}: checkpoint {saved.get(k)!r} vs now {current.get(k)!r}" for k in keys if saved.get(k) != current.get(k)]
+    return [
+        f"{k}: checkpoint {saved.get(k)!r} vs now {current.get(k)!r}" for k in keys if saved.get(k) != current.get(k)
+    ]
 
 
-__all__ = ["CheckpointError", "Resolved", "checkpoints", "checksum_path", "clean_stale", "latest", "load",
-           "load_meta", "meta_mismatch", "newest_good", "path_for", "problem", "resolve", "save", "sha256_file"]
+__all__ = [
+    "CheckpointError",
+    "Resolved",
+    "checkpoints",
+    "checksum_path",
+    "clean_stale",
+    "latest",
+    "load",
+    "load_meta",
+    "meta_mismatch",
+    "newest_good",
+    "path_for",
+    "problem",
+    "resolve",
+    "save",
+    "sha256_file",
+]

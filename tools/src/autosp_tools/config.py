@@ -88,30 +88,65 @@ def build_parser() -> argparse.ArgumentParser:
     )
     m = p.add_argument_group("model")
     m.add_argument("--model-size", choices=sorted(PRESETS), default="small")
-    m.add_argument("--model-impl", choices=("auto", "hf", "builtin"), default="auto",
-                   help="hf: transformers LlamaForCausalLM; builtin: the module in autosp_tools.model")
+    m.add_argument(
+        "--model-impl",
+        choices=("auto", "hf", "builtin"),
+        default="auto",
+        help="hf: transformers LlamaForCausalLM; builtin: the module in autosp_tools.model",
+    )
     for name in ("dim", "layers", "heads", "kv-heads", "hidden"):
         m.add_argument(f"--{name}", type=int, default=None, help="override the preset")
     s = p.add_argument_group("parallelism and compile")
     s.add_argument("--seq-len", type=int, default=1024)
     s.add_argument("--sp-size", type=int, default=2, help="ranks that share one sequence")
-    s.add_argument("--dp", type=int, default=None,
-                   help="SP groups that train on different rows of each batch; unset: --nproc / --sp-size")
-    s.add_argument("--nproc", type=int, default=None,
-                   help="processes to spawn (default: --dp x --sp-size); under torchrun it must equal the world size")
-    s.add_argument("--data-parallel", choices=parallel.DATA_PARALLEL, default="ddp",
-                   help="how the dp groups share gradients: DDP, or FSDP2 (fully_shard over the dp mesh dim)")
-    s.add_argument("--deepspeed", type=int, choices=parallel.DEEPSPEED_STAGES, default=None, metavar="STAGE",
-                   help="run through deepspeed.initialize with this ZeRO stage (0, 1 or 2), data-parallel over --dp")
+    s.add_argument(
+        "--dp",
+        type=int,
+        default=None,
+        help="SP groups that train on different rows of each batch; unset: --nproc / --sp-size",
+    )
+    s.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="processes to spawn (default: --dp x --sp-size); under torchrun it must equal the world size",
+    )
+    s.add_argument(
+        "--data-parallel",
+        choices=parallel.DATA_PARALLEL,
+        default="ddp",
+        help="how the dp groups share gradients: DDP, or FSDP2 (fully_shard over the dp mesh dim)",
+    )
+    s.add_argument(
+        "--deepspeed",
+        type=int,
+        choices=parallel.DEEPSPEED_STAGES,
+        default=None,
+        metavar="STAGE",
+        help="run through deepspeed.initialize with this ZeRO stage (0, 1 or 2), data-parallel over --dp",
+    )
     s.add_argument("--variant", default="ulysses")
-    s.add_argument("--sac", choices=tuple(SAC_CHOICES), default="auto",
-                   help="activation checkpointing: auto (AutoSP's cost model), true (save most memory), false")
-    s.add_argument("--backend", choices=BACKENDS, default="aot_eager",
-                   help="compiler after AutoSP; 'none' runs the model eagerly without AutoSP (sp-size 1 only)")
-    s.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
-                   help="a collective that waits longer than this for a peer fails (spawned or under torchrun); "
-                        "spawned ranks that make no progress for this long (plus a margin; the first step, which "
-                        "compiles, 10 minutes more) end the job, naming the rank and the step")
+    s.add_argument(
+        "--sac",
+        choices=tuple(SAC_CHOICES),
+        default="auto",
+        help="activation checkpointing: auto (AutoSP's cost model), true (save most memory), false",
+    )
+    s.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default="aot_eager",
+        help="compiler after AutoSP; 'none' runs the model eagerly without AutoSP (sp-size 1 only)",
+    )
+    s.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT_S,
+        metavar="SECONDS",
+        help="a collective that waits longer than this for a peer fails (spawned or under torchrun); "
+        "spawned ranks that make no progress for this long (plus a margin; the first step, which "
+        "compiles, 10 minutes more) end the job, naming the rank and the step",
+    )
     s.add_argument("--show-report", action="store_true", help="print AutoSP's report after the first step")
     t = p.add_argument_group("training")
     t.add_argument("--steps", type=int, default=30)
@@ -125,14 +160,23 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0)
     c = p.add_argument_group("checkpoints and logging")
     c.add_argument("--checkpoint-dir", default=None, help="directory for checkpoints (created if missing)")
-    c.add_argument("--resume", nargs="?", const="latest", default=None,
-                   help="a checkpoint file or directory; bare --resume: the newest in --checkpoint-dir, refused if "
-                        "its checksum fails; 'auto': the newest good one there, skipping bad ones (a fresh start "
-                        "if there is none yet)")
+    c.add_argument(
+        "--resume",
+        nargs="?",
+        const="latest",
+        default=None,
+        help="a checkpoint file or directory; bare --resume: the newest in --checkpoint-dir, refused if "
+        "its checksum fails; 'auto': the newest good one there, skipping bad ones (a fresh start "
+        "if there is none yet)",
+    )
     c.add_argument("--save-every", type=int, default=0, help="0: only at the end")
     c.add_argument("--log-every", type=int, default=1)
-    c.add_argument("--stop-at", type=int, default=None,
-                   help="stop after this step as if interrupted (checkpoint saved); the schedule still spans --steps")
+    c.add_argument(
+        "--stop-at",
+        type=int,
+        default=None,
+        help="stop after this step as if interrupted (checkpoint saved); the schedule still spans --steps",
+    )
     c.add_argument("--quiet", action="store_true", help="no progress bar or per-step lines")
     return p
 
@@ -153,8 +197,10 @@ def _model_dims(ns: argparse.Namespace, errors: list[str]) -> tuple[int, int, in
     given = {k: getattr(ns, k) for k in preset if getattr(ns, k) is not None}
     for k, v in given.items():
         if v < 1:
-            errors.append(f"--{k.replace('_', '-')} {v} must be a positive integer "
-                          f"(leave it out for the {ns.model_size} preset's {preset[k]})")
+            errors.append(
+                f"--{k.replace('_', '-')} {v} must be a positive integer "
+                f"(leave it out for the {ns.model_size} preset's {preset[k]})"
+            )
     dims = {**preset, **{k: v for k, v in given.items() if v >= 1}}
     if "kv_heads" not in given and dims["heads"] % dims["kv_heads"]:
         # The preset's kv heads only fit its own head count; with other --heads, every head has its own k/v.
@@ -168,15 +214,22 @@ def _model_dims(ns: argparse.Namespace, errors: list[str]) -> tuple[int, int, in
 
 
 def _check_numbers(ns: argparse.Namespace, errors: list[str]) -> None:
-    for flag, value in (("--lr", ns.lr), ("--min-lr-ratio", ns.min_lr_ratio), ("--weight-decay", ns.weight_decay),
-                        ("--grad-clip", ns.grad_clip), ("--timeout", ns.timeout)):
+    for flag, value in (
+        ("--lr", ns.lr),
+        ("--min-lr-ratio", ns.min_lr_ratio),
+        ("--weight-decay", ns.weight_decay),
+        ("--grad-clip", ns.grad_clip),
+        ("--timeout", ns.timeout),
+    ):
         if not math.isfinite(value):
             errors.append(f"{flag} {value} must be a finite number")
     if ns.lr <= 0:
         errors.append(f"--lr {ns.lr} must be positive")
     if not 0 <= ns.min_lr_ratio <= 1:
-        errors.append(f"--min-lr-ratio {ns.min_lr_ratio} must be between 0 and 1: the cosine decay ends at "
-                      "--lr x this (a negative ratio would train with a negative learning rate)")
+        errors.append(
+            f"--min-lr-ratio {ns.min_lr_ratio} must be between 0 and 1: the cosine decay ends at "
+            "--lr x this (a negative ratio would train with a negative learning rate)"
+        )
     if ns.weight_decay < 0:
         errors.append(f"--weight-decay {ns.weight_decay} must be >= 0")
     if ns.grad_clip < 0:
@@ -207,8 +260,10 @@ def _check_parallel(ns: argparse.Namespace, heads: int, errors: list[str]) -> in
     if ns.nproc is not None and ns.nproc < 1:
         errors.append(f"--nproc {ns.nproc} must be positive (leave it out for --dp x --sp-size)")
     if ns.nproc is not None and world is not None and ns.nproc != world:
-        errors.append(f"--nproc {ns.nproc} differs from the torchrun world size {world}: under torchrun leave "
-                      "--nproc out, or make it agree")
+        errors.append(
+            f"--nproc {ns.nproc} differs from the torchrun world size {world}: under torchrun leave "
+            "--nproc out, or make it agree"
+        )
     if sp < 1:
         errors.append(f"--sp-size {sp} must be positive")
     if ns.dp is not None and ns.dp < 1:
@@ -221,24 +276,32 @@ def _check_parallel(ns: argparse.Namespace, heads: int, errors: list[str]) -> in
     if ns.seq_len < 2:
         errors.append(f"--seq-len {ns.seq_len} is too short; a causal LM needs at least 2 tokens")
     elif ns.seq_len % sp:
-        errors.append(f"--seq-len {ns.seq_len} is not divisible by --sp-size {sp}: AutoSP splits each sequence evenly "
-                      f"over the SP ranks; use --seq-len {_nearest_multiples(ns.seq_len, sp)}")
+        errors.append(
+            f"--seq-len {ns.seq_len} is not divisible by --sp-size {sp}: AutoSP splits each sequence evenly "
+            f"over the SP ranks; use --seq-len {_nearest_multiples(ns.seq_len, sp)}"
+        )
     if nproc % sp:
         errors.append(f"{where} {nproc} is not a multiple of --sp-size {sp}; each rank must be in one SP group")
     elif ns.batch_size >= 1 and ns.batch_size % (nproc // sp):
-        errors.append(f"--batch-size {ns.batch_size} must be divisible by the {nproc // sp} SP groups "
-                      f"({where} {nproc} / --sp-size {sp}), which train on different rows")
+        errors.append(
+            f"--batch-size {ns.batch_size} must be divisible by the {nproc // sp} SP groups "
+            f"({where} {nproc} / --sp-size {sp}), which train on different rows"
+        )
     if ns.variant == "ulysses" and sp > 1 and heads % sp:
-        errors.append(f"--heads {heads} is not divisible by --sp-size {sp}: Ulysses gives each rank heads/sp_size "
-                      "heads; pick an sp-size that divides the head count, or --variant ring")
+        errors.append(
+            f"--heads {heads} is not divisible by --sp-size {sp}: Ulysses gives each rank heads/sp_size "
+            "heads; pick an sp-size that divides the head count, or --variant ring"
+        )
     if ns.backend == "none" and sp > 1:
         errors.append("--backend none runs without AutoSP, so it needs --sp-size 1")
     if ns.backend == "none" and ns.show_report:
         errors.append("--show-report prints AutoSP's report, and --backend none runs without AutoSP")
     if ns.deepspeed == 3:
-        errors.append("ZeRO-3 is not supported with AutoSP yet: its per-submodule parameter gathering breaks the "
-                      "compiled graph into pieces, and AutoSP needs attention and the sequence in one graph; "
-                      "use --deepspeed 1 or 2, or --data-parallel fsdp to shard parameters")
+        errors.append(
+            "ZeRO-3 is not supported with AutoSP yet: its per-submodule parameter gathering breaks the "
+            "compiled graph into pieces, and AutoSP needs attention and the sequence in one graph; "
+            "use --deepspeed 1 or 2, or --data-parallel fsdp to shard parameters"
+        )
     elif ns.deepspeed is not None and importlib.util.find_spec("deepspeed") is None:
         errors.append("--deepspeed needs the deepspeed package: pip install 'autosp-tools[deepspeed]'")
     if sp > 1:
@@ -269,8 +332,10 @@ def _check_data(ns: argparse.Namespace, errors: list[str]) -> str:
     if len(raw) == 0:
         errors.append(f"--data {path} is empty; give a file with text to train on")
     elif ns.seq_len >= 2 and len(raw) < ns.seq_len:
-        errors.append(f"--data {path} has {len(raw)} bytes; each sequence of --seq-len {ns.seq_len} takes "
-                      f"{ns.seq_len - 1} bytes of it: give more data or a shorter --seq-len")
+        errors.append(
+            f"--data {path} has {len(raw)} bytes; each sequence of --seq-len {ns.seq_len} takes "
+            f"{ns.seq_len - 1} bytes of it: give more data or a shorter --seq-len"
+        )
     return hashlib.sha256(raw).hexdigest()
 
 
@@ -283,19 +348,24 @@ def _check_checkpoints(ns: argparse.Namespace, errors: list[str]) -> checkpoint.
     if ns.checkpoint_dir:
         d = Path(ns.checkpoint_dir)
         if d.exists() and not d.is_dir():
-            errors.append(f"--checkpoint-dir {d} is a file, not a directory: give a directory (it is created if "
-                          "missing), so the first save does not fail after training")
+            errors.append(
+                f"--checkpoint-dir {d} is a file, not a directory: give a directory (it is created if "
+                "missing), so the first save does not fail after training"
+            )
         else:
             # The nearest existing ancestor must let us create the directory and write in it.
             probe = d
             while not probe.exists() and probe != probe.parent:
                 probe = probe.parent
             if not probe.is_dir():
-                errors.append(f"--checkpoint-dir {d}: {probe} is a file, so the directory cannot be created; "
-                              "pick another path")
+                errors.append(
+                    f"--checkpoint-dir {d}: {probe} is a file, so the directory cannot be created; pick another path"
+                )
             elif not os.access(probe, os.W_OK | os.X_OK):
-                errors.append(f"--checkpoint-dir {d}: {probe} is not writable, so saving would fail after "
-                              "training; pick a directory you can write")
+                errors.append(
+                    f"--checkpoint-dir {d}: {probe} is not writable, so saving would fail after "
+                    "training; pick a directory you can write"
+                )
     if ns.resume is None:
         return None
     try:
@@ -322,25 +392,53 @@ def config_from_args(ns: argparse.Namespace) -> TrainConfig:
         errors.append(str(e))
     else:
         if fault is not None and ((fault.rank is not None and fault.rank >= nproc) or fault.step > ns.steps):
-            errors.append(f"{faults.ENV}={os.environ[faults.ENV]} would never fire: this run has {nproc} rank(s) "
-                          f"and {ns.steps} step(s)")
+            errors.append(
+                f"{faults.ENV}={os.environ[faults.ENV]} would never fire: this run has {nproc} rank(s) "
+                f"and {ns.steps} step(s)"
+            )
     if errors:
         raise TrainConfigError("\n".join(errors))
 
     warmup = ns.warmup if ns.warmup is not None else max(1, ns.steps // 10)
     return TrainConfig(
         model=ModelConfig(VOCAB_SIZE, dim, layers, heads, kv_heads, hidden, ns.seq_len, impl),
-        seq_len=ns.seq_len, sp_size=ns.sp_size, nproc=nproc, data_parallel=ns.data_parallel, deepspeed=ns.deepspeed,
-        variant=ns.variant, sac=SAC_CHOICES[ns.sac], backend=ns.backend,
-        steps=ns.steps, batch_size=ns.batch_size, lr=ns.lr, min_lr_ratio=ns.min_lr_ratio, warmup=warmup,
-        weight_decay=ns.weight_decay, grad_clip=ns.grad_clip, data=ns.data, seed=ns.seed,
+        seq_len=ns.seq_len,
+        sp_size=ns.sp_size,
+        nproc=nproc,
+        data_parallel=ns.data_parallel,
+        deepspeed=ns.deepspeed,
+        variant=ns.variant,
+        sac=SAC_CHOICES[ns.sac],
+        backend=ns.backend,
+        steps=ns.steps,
+        batch_size=ns.batch_size,
+        lr=ns.lr,
+        min_lr_ratio=ns.min_lr_ratio,
+        warmup=warmup,
+        weight_decay=ns.weight_decay,
+        grad_clip=ns.grad_clip,
+        data=ns.data,
+        seed=ns.seed,
         checkpoint_dir=ns.checkpoint_dir,
         resume=str(resolved.path) if resolved is not None and resolved.path is not None else None,
-        save_every=ns.save_every, log_every=ns.log_every, stop_at=ns.stop_at, show_report=ns.show_report,
-        quiet=ns.quiet, timeout=ns.timeout, data_sha256=digest,
+        save_every=ns.save_every,
+        log_every=ns.log_every,
+        stop_at=ns.stop_at,
+        show_report=ns.show_report,
+        quiet=ns.quiet,
+        timeout=ns.timeout,
+        data_sha256=digest,
         resume_notes=tuple(resolved.notes()) if resolved is not None else (),
     )
 
 
-__all__ = ["BACKENDS", "DEFAULT_TIMEOUT_S", "SAC_CHOICES", "TrainConfig", "TrainConfigError", "build_parser",
-           "config_from_args", "torchrun_world"]
+__all__ = [
+    "BACKENDS",
+    "DEFAULT_TIMEOUT_S",
+    "SAC_CHOICES",
+    "TrainConfig",
+    "TrainConfigError",
+    "build_parser",
+    "config_from_args",
+    "torchrun_world",
+]

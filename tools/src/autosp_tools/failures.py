@@ -57,8 +57,14 @@ class Record:
 
 
 def write_record(out_dir: str | Path, rank: int, e: BaseException) -> None:
-    rec = {"rank": rank, "time": time.monotonic(), "type": type(e).__name__, "message": str(e),
-           "traceback": traceback.format_exc(), "comm": is_comm_error(e)}
+    rec = {
+        "rank": rank,
+        "time": time.monotonic(),
+        "type": type(e).__name__,
+        "message": str(e),
+        "traceback": traceback.format_exc(),
+        "comm": is_comm_error(e),
+    }
     path = Path(out_dir, f"error{rank}.json")
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(rec))
@@ -80,8 +86,11 @@ def death(code: int) -> str:
             name = signal.Signals(-code).name
         except ValueError:
             name = f"signal {-code}"
-        hint = {"SIGKILL": " (the kernel's out-of-memory killer sends SIGKILL: check memory)",
-                "SIGSEGV": " (a crash in native code)", "SIGABRT": " (an abort in native code)"}.get(name, "")
+        hint = {
+            "SIGKILL": " (the kernel's out-of-memory killer sends SIGKILL: check memory)",
+            "SIGSEGV": " (a crash in native code)",
+            "SIGABRT": " (an abort in native code)",
+        }.get(name, "")
         return f"was killed by {name}{hint}"
     if code == 0:
         return "exited (code 0) before finishing"
@@ -112,13 +121,16 @@ def stalled(beats: list[RankBeat], exits: dict[int, int | None], timeout_s: floa
         return None
     # Name every rank still working, not only the first over its limit: they are usually stuck together.
     parts = "; ".join(f"rank {r} {_for(beats, r, now)}" for r in watched)
-    return (f"no progress: {parts}. Each step must end within --timeout {timeout_s:g} s plus "
-            f"max({SLACK_S:g} s, twice the slowest step) (the first, which compiles, {COMPILE_GRACE_S:g} s more); "
-            "ending the job. If steps are legitimately this slow, raise --timeout.")
+    return (
+        f"no progress: {parts}. Each step must end within --timeout {timeout_s:g} s plus "
+        f"max({SLACK_S:g} s, twice the slowest step) (the first, which compiles, {COMPILE_GRACE_S:g} s more); "
+        "ending the job. If steps are legitimately this slow, raise --timeout."
+    )
 
 
-def diagnose(records: dict[int, Record], exits: dict[int, int | None], beats: list[RankBeat], timeout_s: float,
-             now: float) -> str:
+def diagnose(
+    records: dict[int, Record], exits: dict[int, int | None], beats: list[RankBeat], timeout_s: float, now: float
+) -> str:
     """The job's first failure, then one line per other rank that failed as a consequence."""
     causes = sorted((r for r in records.values() if not r.comm), key=lambda r: r.time)
     dead = [r for r, code in exits.items() if r not in records and code is not None and gone(code, beats[r])]
@@ -138,9 +150,11 @@ def diagnose(records: dict[int, Record], exits: dict[int, int | None], beats: li
         if comm and hung:
             blamed = hung[0]
             waiting = ", ".join(str(r.rank) for r in comm)
-            head = (f"rank {blamed} stopped responding {beats[blamed].doing()}: it is alive but has sent no "
-                    f"heartbeat for {now - beats[blamed].since:.0f} s, and rank(s) {waiting} gave up waiting for "
-                    f"it in a collective (--timeout {timeout_s:g} s)")
+            head = (
+                f"rank {blamed} stopped responding {beats[blamed].doing()}: it is alive but has sent no "
+                f"heartbeat for {now - beats[blamed].since:.0f} s, and rank(s) {waiting} gave up waiting for "
+                f"it in a collective (--timeout {timeout_s:g} s)"
+            )
             if len(hung) > 1:
                 head += f"; also unresponsive: rank(s) {', '.join(map(str, hung[1:]))}"
         elif comm:
@@ -149,10 +163,14 @@ def diagnose(records: dict[int, Record], exits: dict[int, int | None], beats: li
             head = f"rank {c.rank} failed {beats[c.rank].doing()}: {c.line()}\n{c.traceback.rstrip()}"
         else:
             return "the ranks ended without reporting a failure"
-    others = [f"  rank {r.rank}: {r.line()}" for r in sorted(records.values(), key=lambda r: r.time)
-              if r.rank != blamed]
-    others += [f"  rank {r} {death(code)}" for r, code in exits.items()
-               if r != blamed and r not in records and code is not None and gone(code, beats[r])]
+    others = [
+        f"  rank {r.rank}: {r.line()}" for r in sorted(records.values(), key=lambda r: r.time) if r.rank != blamed
+    ]
+    others += [
+        f"  rank {r} {death(code)}"
+        for r, code in exits.items()
+        if r != blamed and r not in records and code is not None and gone(code, beats[r])
+    ]
     if others:
         head += "\nthen, as a consequence:\n" + "\n".join(others)
     return head
@@ -161,8 +179,19 @@ def diagnose(records: dict[int, Record], exits: dict[int, int | None], beats: li
 def conclusive(records: dict[int, Record], exits: dict[int, int | None], beats: list[RankBeat]) -> bool:
     """Whether the cause is already known: an exception that is not a communication error, or a vanished rank."""
     return any(not r.comm for r in records.values()) or any(
-        r not in records and gone(code, beats[r]) for r, code in exits.items())
+        r not in records and gone(code, beats[r]) for r, code in exits.items()
+    )
 
 
-__all__ = ["Record", "conclusive", "death", "diagnose", "gone", "is_comm_error",
-           "limit_s", "read_records", "stalled", "write_record"]
+__all__ = [
+    "Record",
+    "conclusive",
+    "death",
+    "diagnose",
+    "gone",
+    "is_comm_error",
+    "limit_s",
+    "read_records",
+    "stalled",
+    "write_record",
+]

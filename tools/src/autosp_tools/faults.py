@@ -47,8 +47,11 @@ class Fault:
         return lambda: self.fire(rank)
 
     def fire(self, rank: int) -> None:
-        print(f"{ENV}: {self.kind} on rank {rank} in step {self.step} at unix time {time.time():.3f}",
-              file=sys.stderr, flush=True)
+        print(
+            f"{ENV}: {self.kind} on rank {rank} in step {self.step} at unix time {time.time():.3f}",
+            file=sys.stderr,
+            flush=True,
+        )
         if self.kind == "raise":
             raise InjectedFault(f"{ENV}: injected exception on rank {rank} in step {self.step}")
         if self.kind == "exit":
@@ -67,10 +70,16 @@ class Fault:
 def parse(value: str) -> Fault:
     """``rank:step:kind``; raise ValueError saying what is wrong."""
     parts = value.split(":")
-    if (len(parts) != 3 or not (parts[0].isdigit() or parts[0] == "*") or not parts[1].isdigit()
-            or parts[2] not in KINDS):
-        raise ValueError(f"{ENV}={value!r} must be rank:step:kind with rank a number or *, kind one of "
-                         f"{', '.join(KINDS)} (for example 1:3:raise); unset it for normal training")
+    if (
+        len(parts) != 3
+        or not (parts[0].isdigit() or parts[0] == "*")
+        or not parts[1].isdigit()
+        or parts[2] not in KINDS
+    ):
+        raise ValueError(
+            f"{ENV}={value!r} must be rank:step:kind with rank a number or *, kind one of "
+            f"{', '.join(KINDS)} (for example 1:3:raise); unset it for normal training"
+        )
     fault = Fault(None if parts[0] == "*" else int(parts[0]), int(parts[1]), parts[2])
     if fault.step < 1:
         raise ValueError(f"{ENV}={value!r}: steps count from 1")

@@ -79,8 +79,10 @@ class Board:
 
     def read(self) -> list[RankBeat]:
         raw = list(self.array[:])
-        return [RankBeat(int(raw[i]), raw[i + 1], raw[i + 2], raw[i + 3], int(raw[i + 4]))
-                for i in range(0, len(raw), _SLOTS)]
+        return [
+            RankBeat(int(raw[i]), raw[i + 1], raw[i + 2], raw[i + 3], int(raw[i + 4]))
+            for i in range(0, len(raw), _SLOTS)
+        ]
 
 
 _current: Heartbeat | None = None
@@ -106,5 +108,16 @@ def training_done(step: int) -> None:
         _current.done(step)
 
 
-__all__ = ["BETWEEN", "DONE", "IN_STEP", "SETUP", "Board", "Heartbeat", "RankBeat", "install", "step_finished",
-           "step_started", "training_done"]
+__all__ = [
+    "BETWEEN",
+    "DONE",
+    "IN_STEP",
+    "SETUP",
+    "Board",
+    "Heartbeat",
+    "RankBeat",
+    "install",
+    "step_finished",
+    "step_started",
+    "training_done",
+]

@@ -65,8 +65,16 @@ def _torchrun(fn: Callable[[Any, int, int], R], cfg: Any) -> R:
             dist.destroy_process_group()
 
 
-def _worker(rank: int, world: int, store_path: str, out_dir: str, fn: Callable[[Any, int, int], Any], cfg: Any,
-            threads: int, beats: Any) -> None:
+def _worker(
+    rank: int,
+    world: int,
+    store_path: str,
+    out_dir: str,
+    fn: Callable[[Any, int, int], Any],
+    cfg: Any,
+    threads: int,
+    beats: Any,
+) -> None:
     torch.set_num_threads(threads)
     beat = heartbeat.Heartbeat(beats, rank)
     heartbeat.install(beat)
@@ -107,8 +115,12 @@ def _spawn_ranks(fn: Callable[[Any, int, int], R], cfg: Any, threads: int) -> R:
     with tempfile.TemporaryDirectory(prefix="autosp-train-") as tmp:
         board = heartbeat.Board(ctx, world)
         store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_worker, args=(r, world, store, tmp, fn, cfg, threads, board.array),
-                             name=f"autosp-rank-{r}") for r in range(world)]
+        procs = [
+            ctx.Process(
+                target=_worker, args=(r, world, store, tmp, fn, cfg, threads, board.array), name=f"autosp-rank-{r}"
+            )
+            for r in range(world)
+        ]
         try:
             for p in procs:
                 p.start()

@@ -110,24 +110,33 @@ def train(cfg: TrainConfig, rank: int = 0, world: int = 1) -> TrainResult:
     if cfg.backend == "none":
         program: Any = model
     else:
-        program = autosp.compile(model, sp_size=cfg.sp_size, group=groups.sp, variant=cfg.variant, sac=cfg.sac,
-                                 backend=cfg.backend)
+        program = autosp.compile(
+            model, sp_size=cfg.sp_size, group=groups.sp, variant=cfg.variant, sac=cfg.sac, backend=cfg.backend
+        )
     trainer: parallel.Trainer
     if cfg.deepspeed is not None:
         # The engine builds its own optimizer from the config; the torch one above stays unused.
-        trainer = parallel.deepspeed_trainer(program, groups, parallel.deepspeed_config(
-            cfg.deepspeed, rows, cfg.lr, cfg.weight_decay, cfg.grad_clip))
+        trainer = parallel.deepspeed_trainer(
+            program, groups, parallel.deepspeed_config(cfg.deepspeed, rows, cfg.lr, cfg.weight_decay, cfg.grad_clip)
+        )
     else:
-        trainer = parallel.TorchTrainer(parallel.wrap_data_parallel(cfg.data_parallel, program, groups),
-                               list(model.parameters()), optimizer, cfg.grad_clip)
+        trainer = parallel.TorchTrainer(
+            parallel.wrap_data_parallel(cfg.data_parallel, program, groups),
+            list(model.parameters()),
+            optimizer,
+            cfg.grad_clip,
+        )
 
     end = cfg.stop_at if cfg.stop_at is not None else cfg.steps
     if lead and not cfg.quiet:
         m = cfg.model
-        print(f"autosp-train: {m.impl} Llama dim {m.dim} layers {m.layers} heads {m.heads}/{m.kv_heads} "
-              f"({count_params(model):,} params) | seq {cfg.seq_len} x batch {cfg.batch_size} | "
-              f"{world} rank(s): sp {cfg.sp_size} x dp {cfg.dp_size} ({_dp_name(cfg)}) | {cfg.variant}, "
-              f"backend {cfg.backend}, sac {cfg.sac} | steps {start + 1}..{end} of {cfg.steps}", flush=True)
+        print(
+            f"autosp-train: {m.impl} Llama dim {m.dim} layers {m.layers} heads {m.heads}/{m.kv_heads} "
+            f"({count_params(model):,} params) | seq {cfg.seq_len} x batch {cfg.batch_size} | "
+            f"{world} rank(s): sp {cfg.sp_size} x dp {cfg.dp_size} ({_dp_name(cfg)}) | {cfg.variant}, "
+            f"backend {cfg.backend}, sac {cfg.sac} | steps {start + 1}..{end} of {cfg.steps}",
+            flush=True,
+        )
     tokens_per_step = cfg.batch_size * cfg.seq_len
     losses: list[float] = []
     times: list[float] = []
@@ -158,16 +167,27 @@ def train(cfg: TrainConfig, rank: int = 0, world: int = 1) -> TrainResult:
             mem = _gather_floats(rss_mb(), world)  # every rank joins, only rank 0 prints
             if lead and not cfg.quiet:
                 tps = tokens_per_step / times[-1]
-                bar.set_postfix_str(f"loss {losses[-1]:.4f} | {tps:,.0f} tok/s | RSS "
-                                    + " ".join(f"r{r}:{m:.0f}MB" for r, m in enumerate(mem)))
+                bar.set_postfix_str(
+                    f"loss {losses[-1]:.4f} | {tps:,.0f} tok/s | RSS "
+                    + " ".join(f"r{r}:{m:.0f}MB" for r, m in enumerate(mem))
+                )
                 bar.write(f"step {n:5d}/{cfg.steps}  loss {losses[-1]:.4f}  lr {lr:.2e}  {tps:,.0f} tok/s")
         bar.update(1)
         if cfg.checkpoint_dir and ((cfg.save_every and n % cfg.save_every == 0) or n == end):
             if lead:
-                saved = str(checkpoint.save(cfg.checkpoint_dir, {
-                    "step": n, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                    "rng": torch.get_rng_state(), "meta": meta, "losses": history + losses,
-                }))
+                saved = str(
+                    checkpoint.save(
+                        cfg.checkpoint_dir,
+                        {
+                            "step": n,
+                            "model": model.state_dict(),
+                            "optimizer": optimizer.state_dict(),
+                            "rng": torch.get_rng_state(),
+                            "meta": meta,
+                            "losses": history + losses,
+                        },
+                    )
+                )
             if world > 1:
                 dist.barrier()  # a resume that starts right after must find the file
     bar.close()
@@ -176,10 +196,17 @@ def train(cfg: TrainConfig, rank: int = 0, world: int = 1) -> TrainResult:
     steady_tps = tokens_per_step * len(steady) / sum(steady) if steady else 0.0
     compile_s = max(0.0, times[0] - sorted(steady)[len(steady) // 2]) if steady else 0.0
     return TrainResult(
-        losses=losses, start_step=start, end_step=end, tokens_per_step=tokens_per_step,
-        first_step_s=times[0] if times else 0.0, steady_tokens_per_s=steady_tps, compile_s=compile_s,
-        wall_s=time.perf_counter() - t_start, peak_rss_mb=_gather_floats(peak_rss_mb(), world),
-        checkpoint=saved, params=count_params(model),
+        losses=losses,
+        start_step=start,
+        end_step=end,
+        tokens_per_step=tokens_per_step,
+        first_step_s=times[0] if times else 0.0,
+        steady_tokens_per_s=steady_tps,
+        compile_s=compile_s,
+        wall_s=time.perf_counter() - t_start,
+        peak_rss_mb=_gather_floats(peak_rss_mb(), world),
+        checkpoint=saved,
+        params=count_params(model),
     )
 
 

@@ -64,8 +64,16 @@ class HFCausalLM(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.lm = hf_causal_lm("llama", vocab=cfg.vocab, dim=cfg.dim, hidden=cfg.hidden, layers=cfg.layers,
-                               heads=cfg.heads, kv_heads=cfg.kv_heads, max_len=cfg.max_len)
+        self.lm = hf_causal_lm(
+            "llama",
+            vocab=cfg.vocab,
+            dim=cfg.dim,
+            hidden=cfg.hidden,
+            layers=cfg.layers,
+            heads=cfg.heads,
+            kv_heads=cfg.kv_heads,
+            max_len=cfg.max_len,
+        )
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self.lm(input_ids=input_ids, labels=labels, use_cache=False).loss
@@ -76,8 +84,18 @@ class LlamaLM(LlamaLike):
     so the two implementations train alike."""
 
     def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__(Config(vocab=cfg.vocab, dim=cfg.dim, heads=cfg.heads, kv_heads=cfg.kv_heads,
-                                layers=cfg.layers, hidden=cfg.hidden, max_len=cfg.max_len), init_std=0.02)
+        super().__init__(
+            Config(
+                vocab=cfg.vocab,
+                dim=cfg.dim,
+                heads=cfg.heads,
+                kv_heads=cfg.kv_heads,
+                layers=cfg.layers,
+                hidden=cfg.hidden,
+                max_len=cfg.max_len,
+            ),
+            init_std=0.02,
+        )
 
 
 __all__ = ["PRESETS", "HFCausalLM", "LlamaLM", "ModelConfig", "build_model", "count_params", "resolve_impl"]

@@ -39,8 +39,9 @@ def make_groups(dp: int, sp: int, world: int) -> Groups:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (dp, sp), mesh_dim_names=("dp", "sp"))
-    return Groups(sp=mesh["sp"].get_group(), dp=mesh["dp"].get_group(), dp_rank=mesh.get_local_rank("dp"),
-                  dp_size=dp, mesh=mesh)
+    return Groups(
+        sp=mesh["sp"].get_group(), dp=mesh["dp"].get_group(), dp_rank=mesh.get_local_rank("dp"), dp_size=dp, mesh=mesh
+    )
 
 
 def mean_over_dp(value: torch.Tensor, groups: Groups) -> torch.Tensor:
@@ -163,8 +164,10 @@ def deepspeed_config(stage: int, rows: int, lr: float, weight_decay: float, grad
         "gradient_accumulation_steps": 1,
         "gradient_clipping": grad_clip,
         "zero_optimization": {"stage": stage},
-        "optimizer": {"type": "AdamW", "params": {
-            "lr": lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": weight_decay, "torch_adam": True}},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": weight_decay, "torch_adam": True},
+        },
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
@@ -194,8 +197,11 @@ def deepspeed_trainer(program: Any, groups: Groups, config: dict[str, Any]) -> D
         # DeepSpeed needs a process group even for one process; an in-memory store needs no port.
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     # DeepSpeed reads the launcher's variables; spawned ranks all live on this machine.
-    for name, value in (("RANK", dist.get_rank()), ("LOCAL_RANK", dist.get_rank()),
-                        ("WORLD_SIZE", dist.get_world_size())):
+    for name, value in (
+        ("RANK", dist.get_rank()),
+        ("LOCAL_RANK", dist.get_rank()),
+        ("WORLD_SIZE", dist.get_world_size()),
+    ):
         os.environ.setdefault(name, str(value))
     deepspeed.init_distributed(dist_backend="gloo")
     world = dist.get_world_size()
@@ -207,6 +213,17 @@ def deepspeed_trainer(program: Any, groups: Groups, config: dict[str, Any]) -> D
     return DeepSpeedTrainer(engine)
 
 
-__all__ = ["DATA_PARALLEL", "DEEPSPEED_STAGES", "DeepSpeedTrainer", "Groups", "TorchTrainer", "Trainer",
-           "deepspeed_config", "deepspeed_trainer", "make_groups", "mean_over_dp", "shard_model",
-           "wrap_data_parallel"]
+__all__ = [
+    "DATA_PARALLEL",
+    "DEEPSPEED_STAGES",
+    "DeepSpeedTrainer",
+    "Groups",
+    "TorchTrainer",
+    "Trainer",
+    "deepspeed_config",
+    "deepspeed_trainer",
+    "make_groups",
+    "mean_over_dp",
+    "shard_model",
+    "wrap_data_parallel",
+]

@@ -99,28 +99,44 @@ def _config(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> argparse
 
 def measure(cfg: argparse.Namespace, rank: int, world: int) -> dict[str, Any]:
     """Everything measured on this rank's view (times are the slowest rank's)."""
-    device = torch.device(cfg.device_type, int(os.environ.get("LOCAL_RANK", rank)) % max(1, torch.cuda.device_count())) \
-        if cfg.device_type == "cuda" else torch.device("cpu")
+    device = (
+        torch.device(cfg.device_type, int(os.environ.get("LOCAL_RANK", rank)) % max(1, torch.cuda.device_count()))
+        if cfg.device_type == "cuda"
+        else torch.device("cpu")
+    )
     if device.type == "cuda":
         torch.cuda.set_device(device)
     group = dist.group.WORLD if world > 1 else None
     comm: dict[str, list[tuple[int, float]]] = {}
     if group is not None:
         for kind in COLLECTIVES:
-            comm[kind] = [(n, bench.timed(bench.collective(kind, n, device, group), device, cfg.repeats, group))
-                          for n in cfg.size_list]
+            comm[kind] = [
+                (n, bench.timed(bench.collective(kind, n, device, group), device, cfg.repeats, group))
+                for n in cfg.size_list
+            ]
     seq, heads, head_dim = cfg.attn
-    matmul = {d: bench.matmul_flops(getattr(torch, d), cfg.matmul_n, device, cfg.repeats, group) for d in cfg.dtype_list}
-    attention = {d: bench.attention_flops(getattr(torch, d), seq, heads, head_dim, device, cfg.repeats, group)
-                 for d in cfg.dtype_list}
+    matmul = {
+        d: bench.matmul_flops(getattr(torch, d), cfg.matmul_n, device, cfg.repeats, group) for d in cfg.dtype_list
+    }
+    attention = {
+        d: bench.attention_flops(getattr(torch, d), seq, heads, head_dim, device, cfg.repeats, group)
+        for d in cfg.dtype_list
+    }
     ring = bench.ring_block_flops(max(1, seq // 2), heads, head_dim, device, cfg.repeats, group)
     from autosp.hardware_select import resolve
     from autosp.registry import get_registry
 
     base, _ = resolve(cfg.base, device, get_registry())
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
-    return {"comm": comm, "matmul": matmul, "attention": attention, "ring_block": ring, "base": base.name,
-            "device": name, "world": world}
+    return {
+        "comm": comm,
+        "matmul": matmul,
+        "attention": attention,
+        "ring_block": ring,
+        "base": base.name,
+        "device": name,
+        "world": world,
+    }
 
 
 def to_profile(cfg: argparse.Namespace, m: dict[str, Any]) -> dict[str, Any]:
@@ -129,8 +145,12 @@ def to_profile(cfg: argparse.Namespace, m: dict[str, Any]) -> dict[str, Any]:
     comm = {}
     for kind, points in m["comm"].items():
         fit = CommModel.fit([(float(b), t) for b, t in points], world, kind)
-        comm[kind] = {"latency": fit.latency, "bandwidth": fit.bandwidth, "world": world,
-                      "points": [[b, t] for b, t in fit.points]}
+        comm[kind] = {
+            "latency": fit.latency,
+            "bandwidth": fit.bandwidth,
+            "world": world,
+            "points": [[b, t] for b, t in fit.points],
+        }
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     return {
         "format": FORMAT,
@@ -148,7 +168,9 @@ def to_profile(cfg: argparse.Namespace, m: dict[str, Any]) -> dict[str, Any]:
 def summary(profile: dict[str, Any]) -> str:
     lines = [f"{profile['name']} (base {profile['base']}): {profile['source']}"]
     for d, v in profile["matmul_flops"].items():
-        lines.append(f"  matmul {d}: {v / 1e12:.3g} TFLOP/s; attention {profile['attention_flops'][d] / 1e12:.3g} TFLOP/s")
+        lines.append(
+            f"  matmul {d}: {v / 1e12:.3g} TFLOP/s; attention {profile['attention_flops'][d] / 1e12:.3g} TFLOP/s"
+        )
     for k, v in profile["kernel_flops"].items():
         lines.append(f"  {k}: {v / 1e12:.3g} TFLOP/s")
     for kind, c in profile["comm"].items():
@@ -161,8 +183,9 @@ def _worker(rank: int, world: int, store_path: str, out: str, cfg: argparse.Name
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=cfg.timeout))
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=cfg.timeout)
+    )
     try:
         result: Any = ("ok", measure(cfg, rank, world))
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which names the rank

@@ -40,7 +40,9 @@ def timed(fn: Callable[[], object], device: torch.device, repeats: int, group: d
     return statistics.median(times)
 
 
-def collective(kind: CollectiveKind, nbytes: int, device: torch.device, group: dist.ProcessGroup) -> Callable[[], object]:
+def collective(
+    kind: CollectiveKind, nbytes: int, device: torch.device, group: dist.ProcessGroup
+) -> Callable[[], object]:
     """One ``kind`` collective with ``nbytes`` in each rank's input (as ``HardwareProfile`` counts them)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     n = max(world, nbytes // 4 // world * world)  # float32 elements, divisible by the group
@@ -67,8 +69,9 @@ def collective(kind: CollectiveKind, nbytes: int, device: torch.device, group: d
     raise ValueError(f"unknown collective {kind!r}; one of {COLLECTIVES}")
 
 
-def matmul_flops(dtype: torch.dtype, n: int, device: torch.device, repeats: int,
-                 group: dist.ProcessGroup | None) -> float:
+def matmul_flops(
+    dtype: torch.dtype, n: int, device: torch.device, repeats: int, group: dist.ProcessGroup | None
+) -> float:
     """Dense [n, n] @ [n, n] FLOP/s at ``dtype``, every rank at once (as in training)."""
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
@@ -76,8 +79,15 @@ def matmul_flops(dtype: torch.dtype, n: int, device: torch.device, repeats: int,
     return 2.0 * n**3 / seconds
 
 
-def attention_flops(dtype: torch.dtype, seq: int, heads: int, head_dim: int, device: torch.device, repeats: int,
-                    group: dist.ProcessGroup | None) -> float:
+def attention_flops(
+    dtype: torch.dtype,
+    seq: int,
+    heads: int,
+    head_dim: int,
+    device: torch.device,
+    repeats: int,
+    group: dist.ProcessGroup | None,
+) -> float:
     """Causal SDPA FLOP/s at ``dtype``, forward and backward: 3.5x the forward's 2*H*S*S*D over their time."""
     q, k, v = (torch.randn(1, heads, seq, head_dim, device=device).to(dtype).requires_grad_() for _ in range(3))
 
@@ -88,8 +98,9 @@ def attention_flops(dtype: torch.dtype, seq: int, heads: int, head_dim: int, dev
     return 3.5 * 2.0 * heads * seq * seq * head_dim / seconds
 
 
-def ring_block_flops(seq: int, heads: int, head_dim: int, device: torch.device, repeats: int,
-                     group: dist.ProcessGroup | None) -> float | None:
+def ring_block_flops(
+    seq: int, heads: int, head_dim: int, device: torch.device, repeats: int, group: dist.ProcessGroup | None
+) -> float | None:
     """FLOP/s of autosp-ring's fp32 blocks (forward and backward, 3.5x the forward's 4*H*L*L*D); None without it."""
     try:
         from autosp_ring.blocks import block_backward, block_forward

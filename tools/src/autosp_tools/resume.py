@@ -18,8 +18,9 @@ def check_resume(cfg: TrainConfig) -> None:
         raise TrainConfigError(str(e)) from e
     diff = checkpoint.meta_mismatch(saved, cfg.curve_meta())
     if diff:
-        raise TrainConfigError(f"--resume {cfg.resume}: the run's settings differ from the checkpoint's:\n  "
-                               + "\n  ".join(diff))
+        raise TrainConfigError(
+            f"--resume {cfg.resume}: the run's settings differ from the checkpoint's:\n  " + "\n  ".join(diff)
+        )
 
 
 def prepare_checkpoint_dir(cfg: TrainConfig) -> None:

@@ -69,8 +69,7 @@ def _steps(step: Callable[[], torch.Tensor], model: torch.nn.Module, steps: int)
         else:
             loss = step()
         times.append(time.perf_counter() - start)
-    return {"saved_bytes": saved.total, "step_s": statistics.median(times), "compile_s": compile_s,
-            "loss": float(loss)}
+    return {"saved_bytes": saved.total, "step_s": statistics.median(times), "compile_s": compile_s, "loss": float(loss)}
 
 
 def _inputs(case: Case) -> torch.Tensor:
@@ -177,14 +176,22 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for sp in sorted({r["sp"] for r in rows}):
         for sac, style in (("False", "-"), ("auto", ":"), ("True", "--"), (DEEPSPEED, "-.")):
-            pts = sorted((r["seq"], r["saved_bytes"] / 2**20) for r in rows if r["sp"] == sp and r["sac"] == sac
-                         and "saved_bytes" in r)
+            pts = sorted(
+                (r["seq"], r["saved_bytes"] / 2**20)
+                for r in rows
+                if r["sp"] == sp and r["sac"] == sac and "saved_bytes" in r
+            )
             if pts:
                 ax.plot(*zip(*pts), style, marker="o", label=f"sp={sp} sac={sac}")
         floor = sorted({(r["seq"], r["floor_bytes"] / 2**20) for r in rows if r["sp"] == sp})
         ax.plot(*zip(*floor), color="grey", alpha=0.4, label=f"sp={sp} floor")
-    ax.set(xscale="log", yscale="log", xlabel="sequence length", ylabel="MiB saved for backward per rank",
-           title="Saved for backward: AutoSP SAC off / auto / on, DeepSpeed AutoSP")
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="sequence length",
+        ylabel="MiB saved for backward per rank",
+        title="Saved for backward: AutoSP SAC off / auto / on, DeepSpeed AutoSP",
+    )
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -200,8 +207,12 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--steps", type=int, default=3, help="timed steps after the compile step")
-    p.add_argument("--backend", default="inductor", choices=("aot_eager", "inductor"),
-                   help="compiler after AutoSP; DeepSpeed's AutoSP always uses Inductor")
+    p.add_argument(
+        "--backend",
+        default="inductor",
+        choices=("aot_eager", "inductor"),
+        help="compiler after AutoSP; DeepSpeed's AutoSP always uses Inductor",
+    )
     p.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeed's AutoSP")
     p.add_argument("--quick", action="store_true", help="lengths 1024,2048 and sp 1,2")
     p.add_argument("--out", default="runs/sac-bench")
@@ -213,12 +224,22 @@ def run(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     args = parse(argv)
     if args.quick:
         args.lengths, args.sp = "1024,2048", "1,2"
-    cfg = ModelConfig(vocab=256, dim=args.dim, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
-                      hidden=args.dim * 2, max_len=1 << 20, impl="builtin")
+    cfg = ModelConfig(
+        vocab=256,
+        dim=args.dim,
+        layers=args.layers,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        hidden=args.dim * 2,
+        max_len=1 << 20,
+        impl="builtin",
+    )
     settings = SACS if args.no_deepspeed else (*SACS, DEEPSPEED)
     cases = [
         Case(int(s), int(p), sac, cfg, args.steps, args.backend)
-        for p in args.sp.split(",") for s in args.lengths.split(",") for sac in settings
+        for p in args.sp.split(",")
+        for s in args.lengths.split(",")
+        for sac in settings
     ]
     from tqdm import tqdm
 

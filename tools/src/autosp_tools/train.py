@@ -71,9 +71,20 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.exit(130, f"{parser.prog}: interrupted\n")
 
 
-__all__ = ["BACKENDS", "SAC_CHOICES", "TrainConfig", "TrainConfigError", "TrainResult", "build_parser",
-           "config_from_args", "lr_at", "main", "torchrun_world",
-           "run", "train"]
+__all__ = [
+    "BACKENDS",
+    "SAC_CHOICES",
+    "TrainConfig",
+    "TrainConfigError",
+    "TrainResult",
+    "build_parser",
+    "config_from_args",
+    "lr_at",
+    "main",
+    "torchrun_world",
+    "run",
+    "train",
+]
 
 
 if __name__ == "__main__":

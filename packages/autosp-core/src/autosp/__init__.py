@@ -1,9 +1,9 @@
 """AutoSP: sequence parallelism as a compiler pass.
 
-    import autosp
-    compiled = autosp.compile(model, sp_size=2)   # every rank: same full-length inputs
-    loss = compiled(input_ids, labels)             # the single-device loss
-    loss.backward()                                # the single-device gradients
+import autosp
+compiled = autosp.compile(model, sp_size=2)   # every rank: same full-length inputs
+loss = compiled(input_ids, labels)             # the single-device loss
+loss.backward()                                # the single-device gradients
 """
 
 from importlib import metadata as _metadata
@@ -24,7 +24,9 @@ from autosp.verify import VerifyReport, verify
 try:
     # pyproject.toml is the one version source; the installed metadata carries it.
     __version__ = _metadata.version("autosp-core")
-except _metadata.PackageNotFoundError:  # a source tree on sys.path, not installed (its plugins' entry points are missing too)
+except (
+    _metadata.PackageNotFoundError
+):  # a source tree on sys.path, not installed (its plugins' entry points are missing too)
     __version__ = "0+unknown"
 
 __all__ = [

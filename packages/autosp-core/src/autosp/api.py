@@ -93,7 +93,8 @@ class AutoSPBackend:
         self.input_check = (
             # SPOptions has turned check_inputs=True/False into its mode.
             InputCheck(self.group, cast("CheckMode", options.check_inputs))
-            if self.world > 1 and options.check_inputs != "off" else None
+            if self.world > 1 and options.check_inputs != "off"
+            else None
         )
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
@@ -105,8 +106,9 @@ class AutoSPBackend:
             # The backward compiles now, not at the first backward: its compile time must not count
             # against timeout= either (waited out by wait_for_compiles, on the world's timeout).
             with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
-                fn = compile_graph(gm, example_inputs, self.options, self.registry, self.group, self.world,
-                                   self.reports)
+                fn = compile_graph(
+                    gm, example_inputs, self.options, self.registry, self.group, self.world, self.reports
+                )
         if self.check_graphs and self.input_check is not None:
             names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
             params = [_is_param(n, x) for n, x in zip(names, example_inputs)]
@@ -155,9 +157,19 @@ def backend(
         **variant_options: passed to the variant (for example ``ring_degree``).
     """
     options = SPOptions(
-        sp_size=sp_size, variant=variant, sac=sac, group=group, backend=backend,
-        disable_passes=tuple(disable_passes), grad_bucket_mb=grad_bucket_mb, variant_options=variant_options,
-        check_inputs=check_inputs, timeout=timeout, tile_loss=tile_loss, memory_budget=memory_budget, hardware=hardware,
+        sp_size=sp_size,
+        variant=variant,
+        sac=sac,
+        group=group,
+        backend=backend,
+        disable_passes=tuple(disable_passes),
+        grad_bucket_mb=grad_bucket_mb,
+        variant_options=variant_options,
+        check_inputs=check_inputs,
+        timeout=timeout,
+        tile_loss=tile_loss,
+        memory_budget=memory_budget,
+        hardware=hardware,
         outputs=outputs,
     )
     return AutoSPBackend(options)
@@ -199,9 +211,19 @@ def compile(  # noqa: A001 - mirrors torch.compile
     running in eager. ``timeout`` bounds every collective of AutoSP (see ``SPOptions``).
     """
     be = _make_backend(
-        sp_size=sp_size, variant=variant, sac=sac, group=group, backend=backend,
-        disable_passes=disable_passes, grad_bucket_mb=grad_bucket_mb, check_inputs=check_inputs,
-        timeout=timeout, tile_loss=tile_loss, memory_budget=memory_budget, hardware=hardware, outputs=outputs,
+        sp_size=sp_size,
+        variant=variant,
+        sac=sac,
+        group=group,
+        backend=backend,
+        disable_passes=disable_passes,
+        grad_bucket_mb=grad_bucket_mb,
+        check_inputs=check_inputs,
+        timeout=timeout,
+        tile_loss=tile_loss,
+        memory_budget=memory_budget,
+        hardware=hardware,
+        outputs=outputs,
         **(variant_options or {}),
     )
     if be.world > 1:
@@ -212,8 +234,13 @@ def compile(  # noqa: A001 - mirrors torch.compile
     compiled: Any = torch.compile(model, backend=be, **torch_compile_kwargs)
     if be.world > 1:
         be.check_graphs = False  # checked once per call, before Dynamo, by the guarded call
-        call = GuardedCall(compiled.forward if isinstance(compiled, torch.nn.Module) else compiled, model,
-                           be.group, be.input_check, be.runs)
+        call = GuardedCall(
+            compiled.forward if isinstance(compiled, torch.nn.Module) else compiled,
+            model,
+            be.group,
+            be.input_check,
+            be.runs,
+        )
         compiled = guard_compiled(compiled, model, call)
     try:
         compiled.autosp_reports = be.reports

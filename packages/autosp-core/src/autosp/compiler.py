@@ -59,8 +59,12 @@ def _is_param(name: str, x: Any) -> bool:
 
 
 def make_context(
-    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: SPOptions, registry: Registry,
-    group: Any, world: int,
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    options: SPOptions,
+    registry: Registry,
+    group: Any,
+    world: int,
 ) -> CompileContext:
     rank = dist.get_rank(group) if world > 1 else 0
     names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
@@ -111,9 +115,24 @@ class _Partitioner:
         opts = ctx.options
         # The group's name is baked into the collectives, so a graph cached for another group must not match.
         group = ctx.group_name if ctx.sp else None
-        digest.update(repr((opts.sac, opts.variant, sorted(opts.variant_options.items()), opts.grad_bucket_mb,
-                            ctx.world, ctx.rank, group, repr(ctx.hardware), opts.memory_budget, opts.outputs, opts.tile_loss,
-                            [p.name for p in self.manager.passes])).encode())
+        digest.update(
+            repr(
+                (
+                    opts.sac,
+                    opts.variant,
+                    sorted(opts.variant_options.items()),
+                    opts.grad_bucket_mb,
+                    ctx.world,
+                    ctx.rank,
+                    group,
+                    repr(ctx.hardware),
+                    opts.memory_budget,
+                    opts.outputs,
+                    opts.tile_loss,
+                    [p.name for p in self.manager.passes],
+                )
+            ).encode()
+        )
         return "autosp-" + digest.hexdigest()
 
     def cache_key(self) -> str:
@@ -148,8 +167,13 @@ class InductorPartitioner(CustomPartitionerFn):
 
 
 def compile_graph(
-    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: SPOptions, registry: Registry,
-    group: Any, world: int, reports: list[Report] | None = None,
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    options: SPOptions,
+    registry: Registry,
+    group: Any,
+    world: int,
+    reports: list[Report] | None = None,
 ) -> Callable[..., Any]:
     if world > 1:
         refuse_dtensor_inputs(example_inputs)
@@ -172,7 +196,9 @@ def compile_graph(
             return compile_fx_inner(g, ex, **kw)
 
         compiled = compile_fx(
-            gm, list(example_inputs), inner_compile=inner,
+            gm,
+            list(example_inputs),
+            inner_compile=inner,
             config_patches={"custom_partitioner_fn": InductorPartitioner(partition)},
         )
         return wrap_outputs(compiled, ctx.output_shards, group)
@@ -186,8 +212,11 @@ def compile_graph(
         return compile_stage
 
     compiled = aot_module_simplified(
-        gm, list(example_inputs), fw_compiler=stage_compiler(Stage.FORWARD),
-        bw_compiler=stage_compiler(Stage.BACKWARD), partition_fn=partition,
+        gm,
+        list(example_inputs),
+        fw_compiler=stage_compiler(Stage.FORWARD),
+        bw_compiler=stage_compiler(Stage.BACKWARD),
+        partition_fn=partition,
     )
     return wrap_outputs(compiled, ctx.output_shards, group)
 

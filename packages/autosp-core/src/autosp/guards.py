@@ -135,8 +135,9 @@ class GuardedCall:
     (only during this call, in this thread), then a check that an AutoSP graph ran.
     """
 
-    def __init__(self, fn: Callable[..., Any], model: Any, group: Any, check: InputCheck | None,
-                 runs: GraphRuns) -> None:
+    def __init__(
+        self, fn: Callable[..., Any], model: Any, group: Any, check: InputCheck | None, runs: GraphRuns
+    ) -> None:
         self.fn = fn
         self.group = group
         self.check = check
@@ -182,8 +183,9 @@ def run_check(check: InputCheck, leaves: list[Leaf]) -> None:
         raise InputMismatch(str(e)) from None
     except Exception as e:
         if is_comm_failure(e):
-            raise CollectiveFailure(comm_failure_message(
-                "the input check (the first collective of every call)", check.group, e)) from e
+            raise CollectiveFailure(
+                comm_failure_message("the input check (the first collective of every call)", check.group, e)
+            ) from e
         raise
 
 
@@ -193,8 +195,9 @@ def _graph_input_name(name: str) -> str:
     return match.group(1) if match else name
 
 
-def guard_graph(fn: Callable[..., Any], names: Sequence[str], is_param: Sequence[bool], check: InputCheck
-                ) -> Callable[..., Any]:
+def guard_graph(
+    fn: Callable[..., Any], names: Sequence[str], is_param: Sequence[bool], check: InputCheck
+) -> Callable[..., Any]:
     """For ``torch.compile(backend=autosp.backend(...))``: the input check inside each compiled graph.
 
     It runs after Dynamo's guards, so ranks whose shapes differ may first compile different
@@ -239,8 +242,9 @@ def wait_for_compiles(fn: Callable[..., Any], sync_group: Any) -> Callable[..., 
                 dist.all_reduce(torch.zeros(1, device=collective_device(sync_group)), group=sync_group)
             except Exception as e:
                 if is_comm_failure(e):
-                    raise CollectiveFailure(comm_failure_message(
-                        "waiting for every SP rank to compile the new graph", sync_group, e)) from e
+                    raise CollectiveFailure(
+                        comm_failure_message("waiting for every SP rank to compile the new graph", sync_group, e)
+                    ) from e
                 raise
             pending = False
         return fn(*args)

@@ -165,7 +165,9 @@ class AttentionKernel:
     note: str = ""
 
     def accepts(self, head_dim: int, dtype: str, gqa: bool) -> bool:
-        return (self.gqa or not gqa) and (not self.max_head_dim or head_dim <= self.max_head_dim) and dtype in self.dtypes
+        return (
+            (self.gqa or not gqa) and (not self.max_head_dim or head_dim <= self.max_head_dim) and dtype in self.dtypes
+        )
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,11 @@ NVIDIA_KERNELS = (
 
 # HGX baseboards connect 8 GPUs through NVSwitch: every pair at the full per-GPU rate.
 A100_80GB = HardwareProfile(
-    "a100-80gb", "cuda", match=("A100-SXM4-80GB", "A100 80GB", "A100-80GB"), vendor="nvidia", arch="sm_80",
+    "a100-80gb",
+    "cuda",
+    match=("A100-SXM4-80GB", "A100 80GB", "A100-80GB"),
+    vendor="nvidia",
+    arch="sm_80",
     # NVIDIA A100 Tensor Core GPU data sheet (2021), SXM: FP32 19.5 TF; TF32 156 TF, BF16/FP16 312 TF
     # dense (312 / 624 with sparsity).
     matmul_flops={"float32": 19.5 * TFLOPS, "tf32": 156 * TFLOPS, "bfloat16": 312 * TFLOPS, "float16": 312 * TFLOPS},
@@ -39,7 +43,11 @@ A100_80GB = HardwareProfile(
 )
 
 A100_40GB = HardwareProfile(
-    "a100-40gb", "cuda", match=("A100",), vendor="nvidia", arch="sm_80",
+    "a100-40gb",
+    "cuda",
+    match=("A100",),
+    vendor="nvidia",
+    arch="sm_80",
     matmul_flops=dict(A100_80GB.matmul_flops),  # same data sheet: the compute figures do not depend on memory
     memory_bytes=40 * 10**9,  # same data sheet: 40 GB HBM2
     memory_bandwidth=1555 * GB,  # same data sheet: 1,555 GB/s
@@ -49,11 +57,20 @@ A100_40GB = HardwareProfile(
 )
 
 H100_80GB = HardwareProfile(
-    "h100-80gb", "cuda", match=("H100",), vendor="nvidia", arch="sm_90",
+    "h100-80gb",
+    "cuda",
+    match=("H100",),
+    vendor="nvidia",
+    arch="sm_90",
     # NVIDIA H100 Tensor Core GPU data sheet, H100 SXM: FP32 67 TF; TF32 989 TF, BF16/FP16 1,979 TF,
     # FP8 3,958 TF "with sparsity" -> 494.5 / 989.5 / 1,979 dense.
-    matmul_flops={"float32": 67 * TFLOPS, "tf32": 494.5 * TFLOPS, "bfloat16": 989.5 * TFLOPS,
-                  "float16": 989.5 * TFLOPS, "float8": 1979 * TFLOPS},
+    matmul_flops={
+        "float32": 67 * TFLOPS,
+        "tf32": 494.5 * TFLOPS,
+        "bfloat16": 989.5 * TFLOPS,
+        "float16": 989.5 * TFLOPS,
+        "float8": 1979 * TFLOPS,
+    },
     memory_bytes=80 * 10**9,  # same data sheet: 80 GB HBM3
     memory_bandwidth=3.35 * TB,  # same data sheet: 3.35 TB/s
     interconnect=Interconnect("NVLink 4 via NVSwitch", 450 * GB, "switch", 8),  # same data sheet: NVLink 900 GB/s
@@ -62,7 +79,11 @@ H100_80GB = HardwareProfile(
 )
 
 H200 = HardwareProfile(
-    "h200", "cuda", match=("H200",), vendor="nvidia", arch="sm_90",
+    "h200",
+    "cuda",
+    match=("H200",),
+    vendor="nvidia",
+    arch="sm_90",
     # NVIDIA H200 Tensor Core GPU data sheet, H200 SXM: the same Tensor Core figures as H100 SXM
     # (BF16 1,979 TF, FP8 3,958 TF with sparsity).
     matmul_flops=dict(H100_80GB.matmul_flops),
@@ -74,11 +95,20 @@ H200 = HardwareProfile(
 )
 
 B200 = HardwareProfile(
-    "b200", "cuda", match=("B200",), vendor="nvidia", arch="sm_100",
+    "b200",
+    "cuda",
+    match=("B200",),
+    vendor="nvidia",
+    arch="sm_100",
     # NVIDIA HGX B200 data sheet, per GPU: FP32 75 TF; TF32 2.2 PF, BF16/FP16 4.5 PF, FP8 9 PF
     # with sparsity -> 1.1 / 2.25 / 4.5 PF dense.
-    matmul_flops={"float32": 75 * TFLOPS, "tf32": 1100 * TFLOPS, "bfloat16": 2250 * TFLOPS,
-                  "float16": 2250 * TFLOPS, "float8": 4500 * TFLOPS},
+    matmul_flops={
+        "float32": 75 * TFLOPS,
+        "tf32": 1100 * TFLOPS,
+        "bfloat16": 2250 * TFLOPS,
+        "float16": 2250 * TFLOPS,
+        "float8": 4500 * TFLOPS,
+    },
     memory_bytes=180 * 10**9,  # same data sheet: 180 GB HBM3E per GPU (1.4 TB per 8-GPU board)
     memory_bandwidth=7.7 * TB,  # same data sheet: 7.7 TB/s per GPU
     interconnect=Interconnect("NVLink 5 via NVSwitch", 900 * GB, "switch", 8),  # same data sheet: NVLink 1.8 TB/s
@@ -99,20 +129,28 @@ def _host_memory() -> int:
 # VM, one thread per rank: causal SDPA 14-39 GFLOP/s (forward FLOPs, fwd+bwd time), the ring op's
 # fp32 blocks (scores materialised) 4-13 GFLOP/s.
 CPU = HardwareProfile(
-    "cpu", "cpu", vendor="cpu", default_dtype="float32",
+    "cpu",
+    "cpu",
+    vendor="cpu",
+    default_dtype="float32",
     matmul_flops={"float32": 5e10, "bfloat16": 2.5e10},
     attention_flops={"float32": 2e10},
     kernel_flops={"ring-block/float32": 6e9},
     memory_bytes=_host_memory(),  # this machine's physical memory
     memory_bandwidth=2e10,
     interconnect=Interconnect("gloo over host memory", 2e9, "host", os.cpu_count() or 1, latency=1e-4),
-    attention_kernels=(AttentionKernel("cpu-flash", gqa=True, note="aten _scaled_dot_product_flash_attention_for_cpu"),),
+    attention_kernels=(
+        AttentionKernel("cpu-flash", gqa=True, note="aten _scaled_dot_product_flash_attention_for_cpu"),
+    ),
     source="rough figures for a few x86 cores and gloo; run autosp-profile",
 )
 
 # A CUDA device no built-in profile names: order-of-magnitude figures, never matched by name.
 CUDA_GENERIC = HardwareProfile(
-    "cuda", "cuda", vendor="", default_dtype="bfloat16",
+    "cuda",
+    "cuda",
+    vendor="",
+    default_dtype="bfloat16",
     matmul_flops={"bfloat16": 1e14, "float32": 2e13},
     interconnect=Interconnect("unknown GPU links", 1e11, "switch", 8),
     attention_kernels=NVIDIA_KERNELS,
@@ -121,5 +159,14 @@ CUDA_GENERIC = HardwareProfile(
 
 BUILTIN_PROFILES = (CPU, CUDA_GENERIC, A100_40GB, A100_80GB, H100_80GB, H200, B200)
 
-__all__ = ["A100_40GB", "A100_80GB", "B200", "BUILTIN_PROFILES", "CPU", "CUDA_GENERIC", "H100_80GB", "H200",
-           "NVIDIA_KERNELS"]
+__all__ = [
+    "A100_40GB",
+    "A100_80GB",
+    "B200",
+    "BUILTIN_PROFILES",
+    "CPU",
+    "CUDA_GENERIC",
+    "H100_80GB",
+    "H200",
+    "NVIDIA_KERNELS",
+]

@@ -24,8 +24,13 @@ FORMAT = "autosp-hardware/1"
 
 # Names that other spellings (and older releases) use for the built-ins.
 ALIASES = {
-    "h100": "h100-80gb", "cuda-h100": "h100-80gb", "a100": "a100-80gb", "cuda-a100": "a100-80gb",
-    "cuda-h200": "h200", "h200-141gb": "h200", "b200-180gb": "b200",
+    "h100": "h100-80gb",
+    "cuda-h100": "h100-80gb",
+    "a100": "a100-80gb",
+    "cuda-a100": "a100-80gb",
+    "cuda-h200": "h200",
+    "h200-141gb": "h200",
+    "b200-180gb": "b200",
 }
 
 
@@ -56,8 +61,12 @@ def _kernel(d: dict[str, Any]) -> AttentionKernel:
 
 
 def _comm(d: dict[str, Any]) -> CommModel:
-    return CommModel(float(d["latency"]), float(d["bandwidth"]), tuple((float(b), float(t)) for b, t in d.get("points", ())),
-                     int(d.get("world", 2)))
+    return CommModel(
+        float(d["latency"]),
+        float(d["bandwidth"]),
+        tuple((float(b), float(t)) for b, t in d.get("points", ())),
+        int(d.get("world", 2)),
+    )
 
 
 def _interconnect(d: dict[str, Any]) -> Interconnect:
@@ -76,7 +85,9 @@ def from_dict(d: dict[str, Any], where: str = "profile") -> HardwareProfile:
     fields = {f.name for f in dataclasses.fields(HardwareProfile)}
     unknown = set(d) - fields
     if unknown:
-        raise ConfigError(f"{where}: unknown keys {sorted(unknown)}; allowed: base, format, {', '.join(sorted(fields))}")
+        raise ConfigError(
+            f"{where}: unknown keys {sorted(unknown)}; allowed: base, format, {', '.join(sorted(fields))}"
+        )
     if "interconnect" in d and d["interconnect"] is not None:
         d["interconnect"] = _interconnect(d["interconnect"])
     if "comm" in d:
@@ -101,8 +112,14 @@ def from_dict(d: dict[str, Any], where: str = "profile") -> HardwareProfile:
         comm = dict(base.comm)
         comm.update(d.pop("comm", {}))
         # flops/comm_bandwidth are derived: recompute them from the merged figures.
-        return dataclasses.replace(base, **{"flops": 0.0, "comm_bandwidth": 0.0, **d}, matmul_flops=merged,
-                                   attention_flops=attention, kernel_flops=kernels, comm=comm)
+        return dataclasses.replace(
+            base,
+            **{"flops": 0.0, "comm_bandwidth": 0.0, **d},
+            matmul_flops=merged,
+            attention_flops=attention,
+            kernel_flops=kernels,
+            comm=comm,
+        )
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{where}: {e}") from e
 
@@ -122,7 +139,9 @@ def load(path_or_name: str | os.PathLike[str] | HardwareProfile) -> HardwareProf
     path = Path(text).expanduser()
     if text.endswith(".json") or path.is_file():
         if not path.is_file():
-            raise ConfigError(f"hardware profile file {text} does not exist; create it with autosp-profile --out {text}")
+            raise ConfigError(
+                f"hardware profile file {text} does not exist; create it with autosp-profile --out {text}"
+            )
         try:
             data = json.loads(path.read_text())
         except json.JSONDecodeError as e:

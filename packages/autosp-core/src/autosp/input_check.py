@@ -97,8 +97,9 @@ def signature_of(fn: Any) -> inspect.Signature | None:
         return None
 
 
-def flatten_inputs(args: Sequence[Any], kwargs: Mapping[str, Any], signature: inspect.Signature | None = None
-                   ) -> list[Leaf]:
+def flatten_inputs(
+    args: Sequence[Any], kwargs: Mapping[str, Any], signature: inspect.Signature | None = None
+) -> list[Leaf]:
     """Every input of one call, parameters excluded, named by argument and position inside it."""
     named: list[tuple[str, Any]]
     try:
@@ -154,7 +155,7 @@ def fingerprint(t: torch.Tensor) -> torch.Tensor:
     weights = _chunk_weights(x.device)
     total = torch.full((), x.numel(), dtype=torch.int64, device=x.device)
     for k, start in enumerate(range(0, x.numel(), _CHUNK)):
-        words = x[start:start + _CHUNK]
+        words = x[start : start + _CHUNK]
         part = (words * weights[: words.numel()]).sum()  # int64: promotion, products wrap mod 2**64
         total += part * (((k * _MULT + _ADD) & 0x7FFFFFFFFFFFFFFF) | 1) if k else part
     return total
@@ -196,8 +197,10 @@ def mismatch_message(gathered: list[list[tuple[str, str, int | None]]], ranks: l
             groups_fp: dict[int | None, list[int]] = {}
             for i, fp in enumerate(fps):
                 groups_fp.setdefault(fp, []).append(ranks[i])
-            lines.append(f"  {path} ({metas[0]}): different contents: "
-                         + " / ".join(_ranks_text(rs) for rs in groups_fp.values()))
+            lines.append(
+                f"  {path} ({metas[0]}): different contents: "
+                + " / ".join(_ranks_text(rs) for rs in groups_fp.values())
+            )
     if not lines:  # digests differed but the descriptions agree: a digest collision, or a rank's own bug
         lines.append("  (the inputs' digests differ, their descriptions agree)")
     return (
@@ -238,7 +241,7 @@ class InputCheck:
         rows = local.repeat(len(self.ranks))
         dist.all_gather_single(rows, local, group=self.group)
         flat = rows.tolist()
-        values = [flat[i:i + 2] for i in range(0, len(flat), 2)]
+        values = [flat[i : i + 2] for i in range(0, len(flat), 2)]
         if all(v == values[0] for v in values):
             return
         fp_iter = iter(fps.tolist() if fps is not None else [])

@@ -124,8 +124,14 @@ def _(hidden, weight, bias, target, ignore_index, epilogue, chunk):
 
 @torch.library.custom_op("autosp::linear_cross_entropy_backward", mutates_args=())
 def linear_cross_entropy_backward(
-    grad_sum: Tensor, hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, ignore_index: int,
-    epilogue: str, chunk: int,
+    grad_sum: Tensor,
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    target: Tensor,
+    ignore_index: int,
+    epilogue: str,
+    chunk: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
     steps = parse_epilogue(epilogue)
     dhidden = torch.empty_like(hidden, memory_format=torch.contiguous_format)
@@ -174,5 +180,11 @@ linear_cross_entropy.register_autograd(_backward, setup_context=_setup)
 
 OP = torch.ops.autosp.linear_cross_entropy.default
 
-__all__ = ["OP", "format_epilogue", "linear_cross_entropy", "linear_cross_entropy_backward", "loss_dtype",
-           "parse_epilogue"]
+__all__ = [
+    "OP",
+    "format_epilogue",
+    "linear_cross_entropy",
+    "linear_cross_entropy_backward",
+    "loss_dtype",
+    "parse_epilogue",
+]

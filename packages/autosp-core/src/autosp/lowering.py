@@ -31,7 +31,13 @@ def sdpa_leaf(
     enable_gqa: bool = False,
 ) -> torch.Tensor:
     return F.scaled_dot_product_attention(
-        query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+        query,
+        key,
+        value,
+        attn_mask=attn_mask,
+        dropout_p=dropout_p,
+        is_causal=is_causal,
+        scale=scale,
         enable_gqa=enable_gqa,
     )
 
@@ -109,16 +115,56 @@ def _kernel_signatures() -> dict[Any, tuple[str | None, ...]]:
     """
     aten = torch.ops.aten
     table: dict[Any, tuple[str | None, ...]] = {
-        aten._scaled_dot_product_flash_attention_for_cpu.default:
-            ("query", "key", "value", "dropout_p", "is_causal", "attn_mask", "scale"),
-        aten._scaled_dot_product_attention_math.default:
-            ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", None, "scale", "enable_gqa"),
-        aten._scaled_dot_product_flash_attention.default:
-            ("query", "key", "value", "dropout_p", "is_causal", None, "scale"),
-        aten._scaled_dot_product_efficient_attention.default:
-            ("query", "key", "value", "attn_mask", None, "dropout_p", "is_causal", "scale"),
-        aten._scaled_dot_product_cudnn_attention.default:
-            ("query", "key", "value", "attn_mask", None, "dropout_p", "is_causal", None, "scale"),
+        aten._scaled_dot_product_flash_attention_for_cpu.default: (
+            "query",
+            "key",
+            "value",
+            "dropout_p",
+            "is_causal",
+            "attn_mask",
+            "scale",
+        ),
+        aten._scaled_dot_product_attention_math.default: (
+            "query",
+            "key",
+            "value",
+            "attn_mask",
+            "dropout_p",
+            "is_causal",
+            None,
+            "scale",
+            "enable_gqa",
+        ),
+        aten._scaled_dot_product_flash_attention.default: (
+            "query",
+            "key",
+            "value",
+            "dropout_p",
+            "is_causal",
+            None,
+            "scale",
+        ),
+        aten._scaled_dot_product_efficient_attention.default: (
+            "query",
+            "key",
+            "value",
+            "attn_mask",
+            None,
+            "dropout_p",
+            "is_causal",
+            "scale",
+        ),
+        aten._scaled_dot_product_cudnn_attention.default: (
+            "query",
+            "key",
+            "value",
+            "attn_mask",
+            None,
+            "dropout_p",
+            "is_causal",
+            None,
+            "scale",
+        ),
     }
     return table
 
@@ -142,8 +188,9 @@ def leaves_for_kernels(gm: torch.fx.GraphModule) -> int:
             continue
         kwargs = {k: given[k] for k in SDPA_SIGNATURE[3:] if given.get(k) is not None}
         with gm.graph.inserting_before(node):
-            leaf = gm.graph.call_function(torch.ops.autosp.sdpa.default, (given["query"], given["key"],
-                                                                           given["value"]), kwargs)
+            leaf = gm.graph.call_function(
+                torch.ops.autosp.sdpa.default, (given["query"], given["key"], given["value"]), kwargs
+            )
         leaf.meta.update(node.meta)
         for u in list(node.users):
             u.replace_all_uses_with(leaf)

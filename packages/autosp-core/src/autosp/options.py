@@ -85,14 +85,18 @@ class SPOptions:
                     "timeout=timedelta(seconds=...))) and leave timeout= unset"
                 )
         check_option(self.hardware)
-        if isinstance(self.tile_loss, float) or not isinstance(self.tile_loss, int) or (
-            not isinstance(self.tile_loss, bool) and self.tile_loss < 1
+        if (
+            isinstance(self.tile_loss, float)
+            or not isinstance(self.tile_loss, int)
+            or (not isinstance(self.tile_loss, bool) and self.tile_loss < 1)
         ):
             raise ConfigError(f"tile_loss={self.tile_loss!r}; use True, False or the rows of one chunk (an int >= 1)")
         budget = self.memory_budget
         if budget is not None and (
-            isinstance(budget, bool) or not isinstance(budget, (int, float))
-            or (isinstance(budget, float) and not 0 < budget <= 1) or (isinstance(budget, int) and budget < 1)
+            isinstance(budget, bool)
+            or not isinstance(budget, (int, float))
+            or (isinstance(budget, float) and not 0 < budget <= 1)
+            or (isinstance(budget, int) and budget < 1)
         ):
             raise ConfigError(
                 f"memory_budget={budget!r}; give bytes (an int, e.g. 40 * 2**30) or a fraction of the device's "

@@ -139,4 +139,12 @@ def reset_registry() -> None:
         _registry = None
 
 
-__all__ = ["BLOCK_ENV", "ENTRY_POINT_GROUP", "TRACE_ENV", "Registry", "build_registry", "get_registry", "reset_registry"]
+__all__ = [
+    "BLOCK_ENV",
+    "ENTRY_POINT_GROUP",
+    "TRACE_ENV",
+    "Registry",
+    "build_registry",
+    "get_registry",
+    "reset_registry",
+]

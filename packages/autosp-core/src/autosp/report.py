@@ -37,8 +37,12 @@ class Report:
             f"  attention sites: {len(self.sites)}",
         ]
         if self.sp_size > 1:
-            lines.insert(1, f"  sequence length {self.seq_len} sharded over {self.sp_size} ranks" if self.seq_len
-                         else "  no sequence sharded: the graph runs whole on every rank")
+            lines.insert(
+                1,
+                f"  sequence length {self.seq_len} sharded over {self.sp_size} ranks"
+                if self.seq_len
+                else "  no sequence sharded: the graph runs whole on every rank",
+            )
         if self.hardware:
             lines.insert(1, f"  hardware profile: {self.hardware}")
         lines += [f"    {s.describe()}" for s in self.sites]

@@ -34,8 +34,9 @@ def as_dtensor(local: torch.Tensor, dim: int, group: dist.ProcessGroup) -> Any:
     shape = list(local.shape)
     shape[dim] *= dist.get_world_size(group)
     stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(local, _mesh(group, local.device.type), [Shard(dim)], run_check=False,
-                              shape=torch.Size(shape), stride=stride)
+    return DTensor.from_local(
+        local, _mesh(group, local.device.type), [Shard(dim)], run_check=False, shape=torch.Size(shape), stride=stride
+    )
 
 
 def wrap_outputs(fn: Callable[..., Any], shards: Sequence[tuple[int, Any] | None], group: Any) -> Callable[..., Any]:
@@ -46,8 +47,10 @@ def wrap_outputs(fn: Callable[..., Any], shards: Sequence[tuple[int, Any] | None
     @functools.wraps(fn)
     def run(*args: Any) -> Any:
         outs = fn(*args)
-        wrapped = [as_dtensor(o, s[0], group) if s is not None and isinstance(o, torch.Tensor) else o
-                   for o, s in zip(outs, shards)]
+        wrapped = [
+            as_dtensor(o, s[0], group) if s is not None and isinstance(o, torch.Tensor) else o
+            for o, s in zip(outs, shards)
+        ]
         return type(outs)(wrapped) if isinstance(outs, tuple) else wrapped
 
     return run
@@ -62,7 +65,8 @@ def refuse_dtensor_inputs(example_inputs: Sequence[Any]) -> None:
     if any(isinstance(x, DTensor) for x in example_inputs):
         raise AutoSPError(
             "a compiled graph got a DTensor input: with outputs='sharded' an output of one graph crossed a graph "
-            "break into the next; remove the break (torch._dynamo.explain shows where) or use outputs='whole'")
+            "break into the next; remove the break (torch._dynamo.explain shows where) or use outputs='whole'"
+        )
 
 
 __all__ = ["as_dtensor", "refuse_dtensor_inputs", "wrap_outputs"]

@@ -65,8 +65,10 @@ class Estimate:
         return f"{self.variant}({', '.join(f'{k}={v}' for k, v in self.options.items())})"
 
     def describe(self) -> str:
-        return (f"{self.label}: ~{self.seconds * 1e3:.3g} ms/step (communication {self.comm_bytes / 2**20:.3g} MiB/rank, "
-                f"{self.comm_seconds * 1e3:.3g} ms; attention compute {self.compute_seconds * 1e3:.3g} ms)")
+        return (
+            f"{self.label}: ~{self.seconds * 1e3:.3g} ms/step (communication {self.comm_bytes / 2**20:.3g} MiB/rank, "
+            f"{self.comm_seconds * 1e3:.3g} ms; attention compute {self.compute_seconds * 1e3:.3g} ms)"
+        )
 
 
 @dataclass(frozen=True)
@@ -82,9 +84,16 @@ class _Sizes:
 
     @staticmethod
     def of(site: AttentionSite) -> _Sizes:
-        return _Sizes(int(hint(site.batch)), int(hint(site.heads)), int(hint(site.kv_heads)), int(hint(site.seq_len)),
-                      int(hint(site.head_dim)), site.dtype.itemsize, bool(site.is_causal),
-                      str(site.dtype).removeprefix("torch."))
+        return _Sizes(
+            int(hint(site.batch)),
+            int(hint(site.heads)),
+            int(hint(site.kv_heads)),
+            int(hint(site.seq_len)),
+            int(hint(site.head_dim)),
+            site.dtype.itemsize,
+            bool(site.is_causal),
+            str(site.dtype).removeprefix("torch."),
+        )
 
     def flops(self, world: int) -> float:
         """Forward attention FLOPs per rank."""
@@ -110,8 +119,9 @@ def ulysses(sites: list[AttentionSite], world: int, hw: HardwareProfile) -> Esti
     return Estimate("ulysses", {}, nbytes, comm, compute, comm + compute)
 
 
-def _ring_part(z: _Sizes, kv_heads: float, span: int, ring: int, stride: int, world: int,
-               hw: HardwareProfile, imbalance: float) -> tuple[float, float, float, float, float]:
+def _ring_part(
+    z: _Sizes, kv_heads: float, span: int, ring: int, stride: int, world: int, hw: HardwareProfile, imbalance: float
+) -> tuple[float, float, float, float, float]:
     """(bytes, fwd comm s, bwd comm s, fwd compute s, bwd compute s) of the ring over ``ring`` ranks."""
     block = 2 * z.b * kv_heads * span * z.d  # k and v elements of one hop
     fwd_bytes, bwd_bytes = block * z.elt, block * (z.elt + 4)  # backward: k/v and fp32 dk/dv
@@ -163,6 +173,12 @@ def hybrid_degrees(sites: list[AttentionSite], world: int) -> list[int]:
 
 
 __all__ = [
-    "BACKWARD_FACTOR", "RING_BYTES_PER_SCORE", "Estimate", "hybrid", "hybrid_degrees", "ring", "ring_block_flops",
+    "BACKWARD_FACTOR",
+    "RING_BYTES_PER_SCORE",
+    "Estimate",
+    "hybrid",
+    "hybrid_degrees",
+    "ring",
+    "ring_block_flops",
     "ulysses",
 ]

@@ -122,8 +122,14 @@ def _weight(index: int, out: torch.Tensor, lone_scalar: bool) -> torch.Tensor | 
     return w.to(device=out.device, dtype=torch.float64 if out.dtype == torch.float64 else torch.float32)
 
 
-def _run(call: Callable[..., Any], module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-         selected: tuple[list[int], bool] | None, problems: list[str]) -> tuple[Run, tuple[list[int], bool]]:
+def _run(
+    call: Callable[..., Any],
+    module: torch.nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    selected: tuple[list[int], bool] | None,
+    problems: list[str],
+) -> tuple[Run, tuple[list[int], bool]]:
     """One forward and backward.
 
     ``selected``: the outputs the differentiated scalar sums, and whether it is one scalar loss
@@ -135,8 +141,11 @@ def _run(call: Callable[..., Any], module: torch.nn.Module, args: tuple[Any, ...
         flat, spec = pytree.tree_flatten_with_path(out)
         outputs = [("output" + pytree.keystr(p), v) for p, v in flat]
         if selected is None:
-            chosen = [i for i, (_, v) in enumerate(outputs)
-                      if isinstance(v, torch.Tensor) and v.is_floating_point() and v.requires_grad]
+            chosen = [
+                i
+                for i, (_, v) in enumerate(outputs)
+                if isinstance(v, torch.Tensor) and v.is_floating_point() and v.requires_grad
+            ]
             selected = (chosen, len(chosen) == 1 and outputs[chosen[0]][1].numel() == 1)
         indices, lone = selected
         terms = []
@@ -246,8 +255,17 @@ def _inside_verify() -> Iterator[None]:
 # --- the check -----------------------------------------------------------------------------------
 
 
-def _verify(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], named_inputs: list[tuple[str, Any]], group: Any,
-            world: int, rtol: float | None, atol: float | None, compile_copy: CompileCopy) -> VerifyReport:
+def _verify(
+    model: torch.nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    named_inputs: list[tuple[str, Any]],
+    group: Any,
+    world: int,
+    rtol: float | None,
+    atol: float | None,
+    compile_copy: CompileCopy,
+) -> VerifyReport:
     try:
         sp_model, ref_model = copy.deepcopy(model), copy.deepcopy(model)
     except Exception as e:
@@ -277,8 +295,15 @@ def _verify(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
     rtol, atol, tol_dtype = tolerances(dtypes, rtol, atol)
     mine = reports[first_report:]
     report = VerifyReport(
-        ok=False, rank=rank, sp_size=world, rtol=rtol, atol=atol, tolerance_dtype=tol_dtype, problems=problems,
-        graphs=len(mine), collectives=dict(sum((Counter(r.collectives) for r in mine), Counter())),
+        ok=False,
+        rank=rank,
+        sp_size=world,
+        rtol=rtol,
+        atol=atol,
+        tolerance_dtype=tol_dtype,
+        problems=problems,
+        graphs=len(mine),
+        collectives=dict(sum((Counter(r.collectives) for r in mine), Counter())),
         fallbacks=[f for r in mine for f in r.fallbacks],
     )
     if not mine:

@@ -40,8 +40,10 @@ class TensorCheck:
 
     def describe(self) -> str:
         verdict = "ok" if self.ok else "OUTSIDE TOLERANCE"
-        return (f"{self.name}: max abs {self.max_abs:.3g}, rel {self.max_rel:.3g} "
-                f"({self.ratio:.3g}x the tolerance) {verdict}")
+        return (
+            f"{self.name}: max abs {self.max_abs:.3g}, rel {self.max_rel:.3g} "
+            f"({self.ratio:.3g}x the tolerance) {verdict}"
+        )
 
 
 @dataclass
@@ -145,8 +147,9 @@ def compare(name: str, sp: torch.Tensor, ref: torch.Tensor, rtol: float, atol: f
     return TensorCheck(name, max_abs, max_rel, ratio)
 
 
-def _compare_value(name: str, sp: Any, ref: Any, rtol: float, atol: float, scale: float | None,
-                   problems: list[str]) -> TensorCheck | None:
+def _compare_value(
+    name: str, sp: Any, ref: Any, rtol: float, atol: float, scale: float | None, problems: list[str]
+) -> TensorCheck | None:
     if isinstance(ref, torch.Tensor) != isinstance(sp, torch.Tensor):
         problems.append(f"{name}: the reference gives a {type(ref).__name__}, the SP program a {type(sp).__name__}")
         return None
@@ -155,8 +158,9 @@ def _compare_value(name: str, sp: Any, ref: Any, rtol: float, atol: float, scale
             problems.append(f"{name}: the reference gives {ref!r}, the SP program {sp!r}")
         return None
     if sp.shape != ref.shape or sp.dtype != ref.dtype:
-        problems.append(f"{name}: the reference gives {ref.dtype} {list(ref.shape)}, "
-                        f"the SP program {sp.dtype} {list(sp.shape)}")
+        problems.append(
+            f"{name}: the reference gives {ref.dtype} {list(ref.shape)}, the SP program {sp.dtype} {list(sp.shape)}"
+        )
         return None
     return compare(name, sp, ref, rtol, atol, magnitude(ref) if scale is None else scale)
 
@@ -198,5 +202,13 @@ def compare_runs(report: VerifyReport, sp: Run, ref: Run) -> None:
         problems.append(f"{len(bad)} of {len(report.grads)} gradients outside tolerance, the worst {worst.name}")
 
 
-__all__ = ["DEFAULT_TOLERANCES", "Run", "TensorCheck", "VerifyReport", "compare", "compare_runs", "magnitude",
-           "tolerances"]
+__all__ = [
+    "DEFAULT_TOLERANCES",
+    "Run",
+    "TensorCheck",
+    "VerifyReport",
+    "compare",
+    "compare_runs",
+    "magnitude",
+    "tolerances",
+]

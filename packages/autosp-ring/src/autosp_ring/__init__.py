@@ -5,6 +5,13 @@ from autosp_ring.plugin import HYBRID, RING
 from autosp_ring.work import RankWork, imbalance, ring_work
 
 __all__ = [
-    "BLOCK_COUNTS", "HYBRID", "RING", "RankWork", "imbalance", "num_steps", "ring_attention",
-    "ring_attention_backward", "ring_work",
+    "BLOCK_COUNTS",
+    "HYBRID",
+    "RING",
+    "RankWork",
+    "imbalance",
+    "num_steps",
+    "ring_attention",
+    "ring_attention_backward",
+    "ring_work",
 ]

@@ -157,6 +157,13 @@ def ring_attention_rule(ctx: SPContext, node: torch.fx.Node, site: AttentionSite
 
 
 __all__ = [
-    "SLIDING_WINDOW", "SUPPORTED", "Call", "check", "parse", "ring_attention_rule", "ring_layout", "seq_chunks",
+    "SLIDING_WINDOW",
+    "SUPPORTED",
+    "Call",
+    "check",
+    "parse",
+    "ring_attention_rule",
+    "ring_layout",
+    "seq_chunks",
     "whole_mask",
 ]

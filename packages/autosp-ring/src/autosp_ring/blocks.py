@@ -18,8 +18,9 @@ from torch import Tensor
 NEG_INF = float("-inf")
 
 
-def block_mask(q_off: int, q_len: int, k_off: int, k_len: int, causal: bool, window: int,
-               device: torch.device) -> Tensor | None:
+def block_mask(
+    q_off: int, q_len: int, k_off: int, k_len: int, causal: bool, window: int, device: torch.device
+) -> Tensor | None:
     """Boolean [q_len, k_len] mask of allowed pairs, or None when every pair is allowed."""
     if not causal and window <= 0:
         return None
@@ -153,8 +154,17 @@ def merge(out: Tensor, lse: Tensor, b_out: Tensor, b_lse: Tensor) -> tuple[Tenso
     return out * (ea / denom)[..., None] + b_out * (eb / denom)[..., None], new_lse
 
 
-def block_backward(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: Tensor, scale: float,
-                   mask: Tensor | None, return_ds: bool = False) -> tuple[Tensor, ...]:
+def block_backward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    dout: Tensor,
+    lse: Tensor,
+    delta: Tensor,
+    scale: float,
+    mask: Tensor | None,
+    return_ds: bool = False,
+) -> tuple[Tensor, ...]:
     """fp32 (dq, dk, dv) of one block given the final lse and delta = rowsum(dout * out).
 
     With ``return_ds``, also the gradient of the scores (that of an additive mask's tile).
@@ -178,7 +188,20 @@ def default_scale(head_dim: int) -> float:
 
 
 __all__ = [
-    "REFERENCE_KERNEL", "BlockKernel", "block_kernel", "natural_lse", "set_block_kernel",
-    "allowed_pairs", "block_backward", "block_forward", "block_mask", "block_needed", "default_scale",
-    "expand_kv", "merge", "reduce_kv", "tile_mask", "tile_needed",
+    "REFERENCE_KERNEL",
+    "BlockKernel",
+    "block_kernel",
+    "natural_lse",
+    "set_block_kernel",
+    "allowed_pairs",
+    "block_backward",
+    "block_forward",
+    "block_mask",
+    "block_needed",
+    "default_scale",
+    "expand_kv",
+    "merge",
+    "reduce_kv",
+    "tile_mask",
+    "tile_needed",
 ]

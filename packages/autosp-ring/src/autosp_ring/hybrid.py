@@ -102,7 +102,9 @@ def _kv_for_heads(x: torch.Tensor, heads: int, g: Groups, rank_u: int) -> torch.
     return full[:, idx]  # uneven: repeat exactly the heads needed
 
 
-def hybrid_attention_rule(ctx: SPContext, node: torch.fx.Node, site: AttentionSite, args: tuple, kwargs: dict) -> SPValue:
+def hybrid_attention_rule(
+    ctx: SPContext, node: torch.fx.Node, site: AttentionSite, args: tuple, kwargs: dict
+) -> SPValue:
     g: Groups = ctx.variant_state
     call = parse(node, site, args, kwargs)
     q, k, v = seq_chunks(ctx, site, call)
@@ -115,8 +117,7 @@ def hybrid_attention_rule(ctx: SPContext, node: torch.fx.Node, site: AttentionSi
     if mask is not None and mask.shape[1] > 1:
         per = site.heads // g.degree
         mask = mask.narrow(1, rank_u * per, per).contiguous()  # the heads this rank attends for
-    out, _ = torch.ops.autosp_ring.ring_attention(qh, kh, vh, call.causal, call.scale, call.window, False, g.ring,
-                                                  mask)
+    out, _ = torch.ops.autosp_ring.ring_attention(qh, kh, vh, call.causal, call.scale, call.window, False, g.ring, mask)
     back = C.all_to_all(out.contiguous(), 2, 1, g.ulysses)
     sdim, length = site.axis("S"), site.seq_len
     return SPValue(from_bhsd(site, back), Shard(SeqAxis(sdim, length), ctx.even_ranges(length)), node.meta["val"])

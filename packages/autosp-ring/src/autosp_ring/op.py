@@ -101,7 +101,14 @@ def _steps(world: int, chunk: int, window: int, zigzag: bool) -> int:
 
 @torch.library.custom_op("autosp_ring::ring_attention", mutates_args=())
 def ring_attention(
-    q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float, window: int, zigzag: bool, group_name: str,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    is_causal: bool,
+    scale: float,
+    window: int,
+    zigzag: bool,
+    group_name: str,
     mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Attention of this rank's query pieces over the whole sequence: (out [B,H,L,Dv], fp32 lse [B,H,L]).
@@ -130,7 +137,9 @@ def ring_attention(
                     continue
                 bmask = tile_mask(block_mask(qo, ql, ko, kl, is_causal, window, q.device), tile)
                 rows = slice(qs, qs + ql)
-                o, block_lse = kernel.forward(q[:, :, rows], kj[:, :, ks:ks + kl], vj[:, :, ks:ks + kl], scale, bmask)
+                o, block_lse = kernel.forward(
+                    q[:, :, rows], kj[:, :, ks : ks + kl], vj[:, :, ks : ks + kl], scale, bmask
+                )
                 block_lse = natural_lse(block_lse.float(), kernel.lse_base)
                 out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], o.float(), block_lse)
                 BLOCK_COUNTS["forward", "computed"] += 1
@@ -147,9 +156,19 @@ def _(q, k, v, is_causal, scale, window, zigzag, group_name, mask=None):
 
 @torch.library.custom_op("autosp_ring::ring_attention_backward", mutates_args=())
 def ring_attention_backward(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-    is_causal: bool, scale: float, window: int, zigzag: bool, group_name: str,
-    mask: Tensor | None = None, mask_grad: bool = False,
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    is_causal: bool,
+    scale: float,
+    window: int,
+    zigzag: bool,
+    group_name: str,
+    mask: Tensor | None = None,
+    mask_grad: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dmask) of this rank's pieces; dk/dv sum the contributions of every rank's queries.
 
@@ -180,11 +199,18 @@ def ring_attention_backward(
                 bmask = tile_mask(block_mask(qo, ql, ko, kl, is_causal, window, q.device), tile)
                 rows, cols = slice(qs, qs + ql), slice(ks, ks + kl)
                 dq_b, dk_b, dv_b, *ds = block_backward(
-                    q[:, :, rows], kj[:, :, cols], vj[:, :, cols], dout32[:, :, rows], lse[:, :, rows],
-                    delta[:, :, rows], scale, bmask, return_ds=dmask is not None,
+                    q[:, :, rows],
+                    kj[:, :, cols],
+                    vj[:, :, cols],
+                    dout32[:, :, rows],
+                    lse[:, :, rows],
+                    delta[:, :, rows],
+                    scale,
+                    bmask,
+                    return_ds=dmask is not None,
                 )
                 if dmask is not None:
-                    dmask[:, :, qo:qo + ql, ko:ko + kl] += _unbroadcast(ds[0], dmask.shape)
+                    dmask[:, :, qo : qo + ql, ko : ko + kl] += _unbroadcast(ds[0], dmask.shape)
                 dq[:, :, rows] += dq_b
                 dk_acc[:, :, cols] += dk_b
                 dv_acc[:, :, cols] += dv_b
@@ -211,7 +237,7 @@ def _(dout, q, k, v, out, lse, is_causal, scale, window, zigzag, group_name, mas
 
 def _tile(mask: Tensor | None, qo: int, ql: int, ko: int, kl: int) -> Tensor | None:
     """The model mask's entries for global query rows [qo, qo+ql) and key columns [ko, ko+kl)."""
-    return None if mask is None else mask[:, :, qo:qo + ql, ko:ko + kl]
+    return None if mask is None else mask[:, :, qo : qo + ql, ko : ko + kl]
 
 
 def _unbroadcast(grad: Tensor, shape: torch.Size) -> Tensor:
@@ -233,8 +259,19 @@ def _backward(ctx: Any, dout: Tensor, dlse: Tensor | None):
     # A bias computed from parameters (ALiBi slopes, T5 buckets) needs its gradient; a constant mask not.
     mask_grad = bool(mask is not None and mask.is_floating_point() and ctx.needs_input_grad[8])
     dq, dk, dv, dmask = torch.ops.autosp_ring.ring_attention_backward(
-        dout.contiguous(), q, k, v, out, lse, ctx.is_causal, ctx.scale, ctx.window, ctx.zigzag, ctx.group_name,
-        mask, mask_grad,
+        dout.contiguous(),
+        q,
+        k,
+        v,
+        out,
+        lse,
+        ctx.is_causal,
+        ctx.scale,
+        ctx.window,
+        ctx.zigzag,
+        ctx.group_name,
+        mask,
+        mask_grad,
     )
     return dq, dk, dv, None, None, None, None, None, dmask if mask_grad else None
 

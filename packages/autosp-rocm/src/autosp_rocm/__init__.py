@@ -6,6 +6,16 @@ from autosp_rocm.profiles import MI250X, MI300X, MI325X, MI355X, ROCM_PROFILES
 from autosp_rocm.rccl import RCCL_SETTINGS, apply_rccl_settings
 
 __all__ = [
-    "MI250X", "MI300X", "MI325X", "MI355X", "RCCL_SETTINGS", "ROCM_PROFILES", "RocmDevice", "apply_rccl_settings",
-    "detect", "is_rocm_build", "lse_base", "rocm_kernels",
+    "MI250X",
+    "MI300X",
+    "MI325X",
+    "MI355X",
+    "RCCL_SETTINGS",
+    "ROCM_PROFILES",
+    "RocmDevice",
+    "apply_rccl_settings",
+    "detect",
+    "is_rocm_build",
+    "lse_base",
+    "rocm_kernels",
 ]

@@ -31,7 +31,10 @@ def needs_repeat(profile: HardwareProfile, q: torch.Tensor, k: torch.Tensor, ena
     if not enable_gqa or k.shape[-3] == q.shape[-3]:
         return False
     head_dim, dtype = q.shape[-1], dtype_name(q.dtype)
-    return profile.kernel_for(head_dim, dtype, gqa=True) is None and profile.kernel_for(head_dim, dtype, gqa=False) is not None
+    return (
+        profile.kernel_for(head_dim, dtype, gqa=True) is None
+        and profile.kernel_for(head_dim, dtype, gqa=False) is not None
+    )
 
 
 class RepeatKVForKernel(TorchFunctionMode):
@@ -82,10 +85,22 @@ def _applies(ctx: CompileContext) -> bool:
     return ctx.sp and ctx.hardware.vendor == "amd"
 
 
-GQA_PASS = Pass("rocm.gqa_kernels", Stage.GRAPH, wrap_attention_rule, requires=("autosp.lower",),
-                before=("autosp.shard",), applies=_applies,
-                doc="repeat k/v after the exchange where ROCm's only fused kernel for the call takes no GQA")
-GQA_REPORT = Pass("rocm.gqa_report", Stage.GRAPH, report, requires=("autosp.shard", "rocm.gqa_kernels"),
-                  applies=_applies, doc="report the attention calls whose k/v were repeated")
+GQA_PASS = Pass(
+    "rocm.gqa_kernels",
+    Stage.GRAPH,
+    wrap_attention_rule,
+    requires=("autosp.lower",),
+    before=("autosp.shard",),
+    applies=_applies,
+    doc="repeat k/v after the exchange where ROCm's only fused kernel for the call takes no GQA",
+)
+GQA_REPORT = Pass(
+    "rocm.gqa_report",
+    Stage.GRAPH,
+    report,
+    requires=("autosp.shard", "rocm.gqa_kernels"),
+    applies=_applies,
+    doc="report the attention calls whose k/v were repeated",
+)
 
 __all__ = ["GQA_PASS", "GQA_REPORT", "RepeatKVForKernel", "needs_repeat", "wrap_attention_rule"]

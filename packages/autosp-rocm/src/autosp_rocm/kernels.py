@@ -46,10 +46,15 @@ def rocm_kernels(torch_version: str | None = None, experimental: bool = False) -
     base = lse_base(torch_version)
     note = "AOTriton" + (" (experimental on this architecture)" if experimental else "")
     return (
-        AttentionKernel("flash", gqa=True, max_head_dim=256, dtypes=("float16", "bfloat16"), lse_base=base,
-                        note=note),
-        AttentionKernel("efficient", gqa=False, max_head_dim=256, dtypes=("float16", "bfloat16", "float32"),
-                        lse_base=base, note=note),
+        AttentionKernel("flash", gqa=True, max_head_dim=256, dtypes=("float16", "bfloat16"), lse_base=base, note=note),
+        AttentionKernel(
+            "efficient",
+            gqa=False,
+            max_head_dim=256,
+            dtypes=("float16", "bfloat16", "float32"),
+            lse_base=base,
+            note=note,
+        ),
     )
 
 

@@ -20,20 +20,26 @@ def _mi250x_peers() -> tuple[tuple[float, ...], ...]:
     # have 1 or 2 links (50 or 100 GB/s). Which pairs have two depends on the board, so every
     # cross-package pair here is the one-link lower bound; autosp-profile measures the real one.
     same_package, cross = 200 * GB, 50 * GB
-    return tuple(tuple(0.0 if i == j else (same_package if i // 2 == j // 2 else cross) for j in range(8))
-                 for i in range(8))
+    return tuple(
+        tuple(0.0 if i == j else (same_package if i // 2 == j // 2 else cross) for j in range(8)) for i in range(8)
+    )
 
 
 MI250X = HardwareProfile(
-    "mi250x", "cuda", match=("MI250X", "MI250"), vendor="amd", arch="gfx90a",
+    "mi250x",
+    "cuda",
+    match=("MI250X", "MI250"),
+    vendor="amd",
+    arch="gfx90a",
     # AMD Instinct MI250X data sheet (per OAM, two GCDs): FP16/BF16 matrix 383 TF, FP32 matrix 95.7 TF;
     # halved per GCD. No sparsity figures: these are dense.
     matmul_flops={"float32": 47.85 * TFLOPS, "bfloat16": 191.5 * TFLOPS, "float16": 191.5 * TFLOPS},
     memory_bytes=64 * 10**9,  # same data sheet: 128 GB HBM2e per OAM -> 64 GB per GCD
     memory_bandwidth=1.6384 * TB,  # same data sheet: 3.2768 TB/s per OAM -> per GCD
     # Uneven: sp=2 on one package gets 200 GB/s; a ring across packages runs at the slowest hop.
-    interconnect=Interconnect("Infinity Fabric (xGMI), GCD to GCD", 200 * GB, "uneven", 8,
-                              peer_bandwidth=_mi250x_peers()),
+    interconnect=Interconnect(
+        "Infinity Fabric (xGMI), GCD to GCD", 200 * GB, "uneven", 8, peer_bandwidth=_mi250x_peers()
+    ),
     attention_kernels=rocm_kernels(),
     source="AMD Instinct MI250X data sheet, per GCD; links from the OLCF Frontier node diagram",
 )
@@ -42,11 +48,20 @@ MI250X = HardwareProfile(
 _MI300_LINKS = Interconnect("Infinity Fabric (xGMI), fully connected", 7 * 64 * GB, "mesh", 8, link_bandwidth=64 * GB)
 
 MI300X = HardwareProfile(
-    "mi300x", "cuda", match=("MI300X",), vendor="amd", arch="gfx942",
+    "mi300x",
+    "cuda",
+    match=("MI300X",),
+    vendor="amd",
+    arch="gfx942",
     # AMD Instinct MI300X data sheet: TF32 653.7 TF, FP16/BF16 1307.4 TF, FP8 2614.9 TF dense
     # (sparsity doubles them); FP32 matrix 163.4 TF.
-    matmul_flops={"float32": 163.4 * TFLOPS, "tf32": 653.7 * TFLOPS, "bfloat16": 1307.4 * TFLOPS,
-                  "float16": 1307.4 * TFLOPS, "float8": 2614.9 * TFLOPS},
+    matmul_flops={
+        "float32": 163.4 * TFLOPS,
+        "tf32": 653.7 * TFLOPS,
+        "bfloat16": 1307.4 * TFLOPS,
+        "float16": 1307.4 * TFLOPS,
+        "float8": 2614.9 * TFLOPS,
+    },
     memory_bytes=192 * 10**9,  # same data sheet: 192 GB HBM3
     memory_bandwidth=5.3 * TB,  # same data sheet: 5.3 TB/s
     # same data sheet: 7 Infinity Fabric links, 128 GB/s each (bidirectional) -> 64 GB/s per direction
@@ -56,7 +71,11 @@ MI300X = HardwareProfile(
 )
 
 MI325X = HardwareProfile(
-    "mi325x", "cuda", match=("MI325X",), vendor="amd", arch="gfx942",
+    "mi325x",
+    "cuda",
+    match=("MI325X",),
+    vendor="amd",
+    arch="gfx942",
     matmul_flops=dict(MI300X.matmul_flops),  # AMD Instinct MI325X data sheet: the MI300X's compute figures
     memory_bytes=256 * 10**9,  # same data sheet: 256 GB HBM3E
     memory_bandwidth=6.0 * TB,  # same data sheet: 6 TB/s
@@ -66,16 +85,25 @@ MI325X = HardwareProfile(
 )
 
 MI355X = HardwareProfile(
-    "mi355x", "cuda", match=("MI355X", "MI350X"), vendor="amd", arch="gfx950",
+    "mi355x",
+    "cuda",
+    match=("MI355X", "MI350X"),
+    vendor="amd",
+    arch="gfx950",
     # AMD Instinct MI355X data sheet: FP16/BF16 2.5 PF, FP8 5.0 PF dense (sparsity doubles them);
     # FP32 157.3 TF; no TF32.
-    matmul_flops={"float32": 157.3 * TFLOPS, "bfloat16": 2516.6 * TFLOPS, "float16": 2516.6 * TFLOPS,
-                  "float8": 5033.2 * TFLOPS},
+    matmul_flops={
+        "float32": 157.3 * TFLOPS,
+        "bfloat16": 2516.6 * TFLOPS,
+        "float16": 2516.6 * TFLOPS,
+        "float8": 5033.2 * TFLOPS,
+    },
     memory_bytes=288 * 10**9,  # same data sheet: 288 GB HBM3E
     memory_bandwidth=8.0 * TB,  # same data sheet: 8 TB/s
     # same data sheet: 7 Infinity Fabric links at 153.6 GB/s (bidirectional) -> 76.8 GB/s per direction
-    interconnect=Interconnect("Infinity Fabric (xGMI), fully connected", 7 * 76.8 * GB, "mesh", 8,
-                              link_bandwidth=76.8 * GB),
+    interconnect=Interconnect(
+        "Infinity Fabric (xGMI), fully connected", 7 * 76.8 * GB, "mesh", 8, link_bandwidth=76.8 * GB
+    ),
     attention_kernels=rocm_kernels(experimental=True),
     source="AMD Instinct MI355X data sheet, dense",
 )

@@ -24,18 +24,24 @@ class RcclSetting:
 
 RCCL_SETTINGS = (
     RcclSetting(
-        "NCCL_MIN_NCHANNELS", "112", ("gfx942",),
+        "NCCL_MIN_NCHANNELS",
+        "112",
+        ("gfx942",),
         "MI300X/MI325X: one all-to-all drives 7 xGMI links at once; RCCL's default channel count "
         "leaves links idle at SP-sized messages. 112 is what AMD's MI300X workload-tuning guide "
         "suggests, and what RCCL 2.26 (ROCm 7.0) made the default for 8 x gfx950.",
     ),
     RcclSetting(
-        "TORCH_NCCL_HIGH_PRIORITY", "1", (),
+        "TORCH_NCCL_HIGH_PRIORITY",
+        "1",
+        (),
         "Runs PyTorch's RCCL streams at high priority, so the all-to-alls on the critical path of "
         "every attention layer are not queued behind compute kernels.",
     ),
     RcclSetting(
-        "HSA_FORCE_FINE_GRAIN_PCIE", "1", (),
+        "HSA_FORCE_FINE_GRAIN_PCIE",
+        "1",
+        (),
         "Lets RCCL use peer-to-peer transfers between GPUs connected over PCIe instead of staging through "
         "host memory (RCCL usage tips); harmless on xGMI-connected nodes.",
     ),
@@ -55,8 +61,11 @@ def apply_rccl_settings(arch: str = "", *, environ: dict[str, str] | None = None
     """
     env = os.environ if environ is None else environ
     if environ is None and dist.is_available() and dist.is_initialized():
-        print("autosp-rocm: RCCL settings applied after init_process_group reach only communicators created "
-              "later; apply them before it", file=sys.stderr)
+        print(
+            "autosp-rocm: RCCL settings applied after init_process_group reach only communicators created "
+            "later; apply them before it",
+            file=sys.stderr,
+        )
     applied = {}
     for s in recommended(arch):
         if s.name not in env:

@@ -34,9 +34,10 @@ class GraphCounts:
 def is_comm(node: fx.Node) -> bool:
     """AutoSP's collectives and the functional ones (gradient buckets); waits move no bytes."""
     name = str(node.target)
-    return (name.startswith("autosp.") and name.split(".")[1] in {"all_gather", "reduce_scatter", "all_reduce",
-                                                                    "all_to_all"}) or (
-        name.startswith("_c10d_functional.") and _WAIT not in name)
+    return (
+        name.startswith("autosp.")
+        and name.split(".")[1] in {"all_gather", "reduce_scatter", "all_reduce", "all_to_all"}
+    ) or (name.startswith("_c10d_functional.") and _WAIT not in name)
 
 
 def count(gm: fx.GraphModule, attention: frozenset) -> GraphCounts:
@@ -67,8 +68,12 @@ def audit_backward(gm: fx.GraphModule, ctx: CompileContext, attention: frozenset
     if fwd is None:
         return
     recomputed_flops = max(0.0, bwd.matmul_flops - 2 * fwd.matmul_flops)
-    step_flops = (fwd.matmul_flops + bwd.matmul_flops + fwd.attention_flops * (1 + ATTENTION_BACKWARD_FACTOR)
-                  + bwd.attention_flops)
+    step_flops = (
+        fwd.matmul_flops
+        + bwd.matmul_flops
+        + fwd.attention_flops * (1 + ATTENTION_BACKWARD_FACTOR)
+        + bwd.attention_flops
+    )
     recomputed_bytes = max(0, bwd.all_to_all_bytes - fwd.all_to_all_bytes)
     step_bytes = fwd.comm_bytes + bwd.comm_bytes
     ctx.report.sac["recomputed FLOP fraction"] = recomputed_flops / step_flops if step_flops else 0.0

@@ -65,7 +65,9 @@ class Plan:
 
     def estimate(self, chosen: list[int] | None = None) -> int:
         picked = set(self.chosen if chosen is None else chosen)
-        return self.fixed + sum(layer.saved_on if i in picked else layer.saved_off for i, layer in enumerate(self.layers))
+        return self.fixed + sum(
+            layer.saved_on if i in picked else layer.saved_off for i, layer in enumerate(self.layers)
+        )
 
     def describe(self) -> dict[str, str | int]:
         off, on = self.estimate([]), self.estimate(list(range(len(self.layers))))
@@ -82,9 +84,11 @@ class Plan:
             "estimated bytes chosen": self.estimate(),
             "layers recomputed": f"{len(self.chosen)} of {len(self.layers)}",
             "memory budget": f"{self.budget / MiB:.1f} MiB ({self.source})",
-            "memory estimate": (f"{off / MiB:.1f} MiB without recompute, {on / MiB:.1f} MiB with all recomputed "
-                                f"({self.fixed / MiB:.1f} MiB of it parameters and gradients); chosen "
-                                f"{self.estimate() / MiB:.1f} MiB"),
+            "memory estimate": (
+                f"{off / MiB:.1f} MiB without recompute, {on / MiB:.1f} MiB with all recomputed "
+                f"({self.fixed / MiB:.1f} MiB of it parameters and gradients); chosen "
+                f"{self.estimate() / MiB:.1f} MiB"
+            ),
             "memory choice": choice,
         }
 
@@ -114,7 +118,9 @@ def plan(gm: fx.GraphModule, ctx: CompileContext, info: JointInfo, keep: set[fx.
     layers = _layers(gm, info, keep, ctx.hardware)
     p = Plan(2 * params, layers, [], *budget)
     need = p.estimate([]) - p.budget
-    order = sorted((i for i, layer in enumerate(layers) if layer.gain > 0), key=lambda i: layers[i].seconds / layers[i].gain)
+    order = sorted(
+        (i for i, layer in enumerate(layers) if layer.gain > 0), key=lambda i: layers[i].seconds / layers[i].gain
+    )
     for i in order:
         if need <= 0:
             break

@@ -45,7 +45,11 @@ def _shape(node: fx.Node) -> tuple[int, ...]:
 
 
 def matmul_flops(node: fx.Node) -> float:
-    a, b = (node.args[1], node.args[2]) if node.target in (torch.ops.aten.addmm.default, torch.ops.aten.baddbmm.default) else node.args[:2]
+    a, b = (
+        (node.args[1], node.args[2])
+        if node.target in (torch.ops.aten.addmm.default, torch.ops.aten.baddbmm.default)
+        else node.args[:2]
+    )
     out = _shape(node)
     k = _shape(a)[-1] if isinstance(a, fx.Node) else 0
     return 2.0 * math.prod(out) * k

@@ -87,8 +87,9 @@ def _ancestors(starts: Iterable[fx.Node], within: set[fx.Node]) -> set[fx.Node]:
     return seen
 
 
-def layer_input(attn: fx.Node, fwd: set[fx.Node], order: dict[fx.Node, int],
-                live: set[fx.Node] | None = None) -> fx.Node | None:
+def layer_input(
+    attn: fx.Node, fwd: set[fx.Node], order: dict[fx.Node, int], live: set[fx.Node] | None = None
+) -> fx.Node | None:
     """The residual-stream tensor an attention block starts from.
 
     The latest forward node that q, k and v all descend from and that is also used
@@ -137,5 +138,14 @@ def analyse(gm: fx.GraphModule, attention_ops: frozenset, num_fwd_outputs: int |
 
 
 __all__ = [
-    "ATTENTION_KERNELS", "MATMULS", "JointInfo", "analyse", "forward_nodes", "forward_outputs_cone", "hint", "is_random", "layer_input", "nbytes",
+    "ATTENTION_KERNELS",
+    "MATMULS",
+    "JointInfo",
+    "analyse",
+    "forward_nodes",
+    "forward_outputs_cone",
+    "hint",
+    "is_random",
+    "layer_input",
+    "nbytes",
 ]

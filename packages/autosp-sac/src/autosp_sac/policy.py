@@ -71,7 +71,7 @@ def tag(gm: fx.GraphModule, ctx: CompileContext) -> None:
     ctx.min_cut = memory is None or recompute
     ctx.report.sac = {
         "mode": f"{sac} -> {'recompute' if recompute else 'default partitioner choices'}"
-                + (" (by memory)" if memory is not None else ""),
+        + (" (by memory)" if memory is not None else ""),
         "attention sites kept": len(attention),
         "layer inputs kept": f"{len(info.layer_inputs)} ({saved_bytes / 2**20:.2f} MiB with attention outputs)",
         "forward nodes tagged for recompute": recomputed,

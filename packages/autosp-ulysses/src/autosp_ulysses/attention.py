@@ -139,7 +139,13 @@ def ulysses_attention(ctx: SPContext, node: torch.fx.Node, site: AttentionSite, 
     if a is not None:
         mask = _mask_heads(ctx, a["attn_mask"], site.heads, hdim)
         out = F.scaled_dot_product_attention(
-            ql, kl, vl, attn_mask=mask, dropout_p=a["dropout_p"], is_causal=a["is_causal"], scale=a["scale"],
+            ql,
+            kl,
+            vl,
+            attn_mask=mask,
+            dropout_p=a["dropout_p"],
+            is_causal=a["is_causal"],
+            scale=a["scale"],
             enable_gqa=a["enable_gqa"] or gqa_k or gqa_v,
         )
     else:

@@ -16,4 +16,3 @@ ULYSSES = SPVariant(
 @hookimpl
 def autosp_register_variants(register):
     register(ULYSSES)
-

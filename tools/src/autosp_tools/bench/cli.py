@@ -25,10 +25,26 @@ from autosp_tools.bench.workload import Workload
 from autosp_tools.model import PRESETS
 
 # --quick: a tiny model and a few lengths, about 5 minutes on 2 CPU cores.
-QUICK: dict[str, Any] = {"model_size": "tiny", "seq_lens": [128, 256], "batch_size": 2, "warmup": 1, "steps": 3,
-         "mem_budget_mb": 4.0, "search_max": 512, "search_refine": 0}
-FULL: dict[str, Any] = {"model_size": "small", "seq_lens": [512, 1024, 2048], "batch_size": 1, "warmup": 2, "steps": 5,
-        "mem_budget_mb": 64.0, "search_max": 16384, "search_refine": 1}
+QUICK: dict[str, Any] = {
+    "model_size": "tiny",
+    "seq_lens": [128, 256],
+    "batch_size": 2,
+    "warmup": 1,
+    "steps": 3,
+    "mem_budget_mb": 4.0,
+    "search_max": 512,
+    "search_refine": 0,
+}
+FULL: dict[str, Any] = {
+    "model_size": "small",
+    "seq_lens": [512, 1024, 2048],
+    "batch_size": 1,
+    "warmup": 2,
+    "steps": 5,
+    "mem_budget_mb": 64.0,
+    "search_max": 16384,
+    "search_refine": 1,
+}
 
 
 def _cuda() -> bool:
@@ -38,8 +54,9 @@ def _cuda() -> bool:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="autosp-bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="autosp-bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--out", required=True, help="directory for results.json, results.md and the plots")
     p.add_argument("--quick", action="store_true", help="tiny model, two lengths, 2 ranks (minutes on a CPU)")
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, from: {', '.join(METHODS)}")
@@ -47,13 +64,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-lens", help="comma-separated sequence lengths to sweep (multiples of --sp-size)")
     p.add_argument("--batch-size", type=int)
     p.add_argument("--sp-size", type=int, default=2)
-    p.add_argument("--backend", choices=("aot_eager", "inductor"),
-                   help="compiler for the compiled methods (default: inductor on GPU, aot_eager on CPU)")
+    p.add_argument(
+        "--backend",
+        choices=("aot_eager", "inductor"),
+        help="compiler for the compiled methods (default: inductor on GPU, aot_eager on CPU)",
+    )
     p.add_argument("--warmup", type=int, help="steps after the first (compile) step before timing")
     p.add_argument("--steps", type=int, help="timed steps; step time is their median")
     p.add_argument("--mem-budget-mb", type=float, help="per-rank memory budget for the longest-sequence search")
-    p.add_argument("--budget-metric", choices=METRICS,
-                   help="memory compared with the budget (default: cuda on GPU, saved elsewhere)")
+    p.add_argument(
+        "--budget-metric",
+        choices=METRICS,
+        help="memory compared with the budget (default: cuda on GPU, saved elsewhere)",
+    )
     p.add_argument("--search-max", type=int, help="longest length the search tries; 0 skips the search")
     p.add_argument("--search-refine", type=int, help="bisection steps after the doubling search")
     p.add_argument("--zero-stage", type=int, choices=(0, 1), default=0, help="ZeRO stage for DeepSpeed AutoSP")
@@ -79,9 +102,15 @@ def settings_from_args(ns: argparse.Namespace) -> dict[str, Any]:
     if bad:
         raise SystemExit(f"autosp-bench: sequence lengths {bad} are not multiples of --sp-size {ns.sp_size}")
     cuda = _cuda()
-    base.update(methods=names, sp_size=ns.sp_size, backend=ns.backend or ("inductor" if cuda else "aot_eager"),
-                budget_metric=ns.budget_metric or ("cuda" if cuda else "saved"), zero_stage=ns.zero_stage,
-                attempt_timeout=ns.attempt_timeout, quick=ns.quick)
+    base.update(
+        methods=names,
+        sp_size=ns.sp_size,
+        backend=ns.backend or ("inductor" if cuda else "aot_eager"),
+        budget_metric=ns.budget_metric or ("cuda" if cuda else "saved"),
+        zero_stage=ns.zero_stage,
+        attempt_timeout=ns.attempt_timeout,
+        quick=ns.quick,
+    )
     return base
 
 
@@ -89,8 +118,13 @@ def machine() -> dict[str, Any]:
     import torch
 
     cpu = platform.processor() or platform.machine()
-    info: dict[str, Any] = {"platform": platform.platform(), "python": platform.python_version(),
-                            "torch": torch.__version__, "cpu_count": os.cpu_count(), "cpu": cpu}
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu_count": os.cpu_count(),
+        "cpu": cpu,
+    }
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
         info["summary"] = f"{torch.cuda.device_count()}× {info['gpu']}"
@@ -148,8 +182,14 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
         found: dict[str, Any] = {}
         if s["search_max"]:
             for name in s["methods"]:
-                found[name] = longest(partial(bench.attempt, name), budget, start, s["search_max"],
-                                      multiple=s["sp_size"] * 8, refine=s["search_refine"])
+                found[name] = longest(
+                    partial(bench.attempt, name),
+                    budget,
+                    start,
+                    s["search_max"],
+                    multiple=s["sp_size"] * 8,
+                    refine=s["search_refine"],
+                )
         bar.total = bar.n
         bar.refresh()
     runs = sorted(bench.runs.values(), key=lambda r: (s["methods"].index(r["method"]), r["seq_len"]))
@@ -159,9 +199,16 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "machine": machine(),
         "settings": s,
         "baseline": BASELINE if BASELINE in s["methods"] else REFERENCE,
-        "methods": {n: {"label": METHODS[n].label, "family": METHODS[n].family,
-                        "distributed": METHODS[n].distributed, "compiled": METHODS[n].compiled,
-                        "options": dict(METHODS[n].options)} for n in s["methods"]},
+        "methods": {
+            n: {
+                "label": METHODS[n].label,
+                "family": METHODS[n].family,
+                "distributed": METHODS[n].distributed,
+                "compiled": METHODS[n].compiled,
+                "options": dict(METHODS[n].options),
+            }
+            for n in s["methods"]
+        },
         "budget": {"metric": budget.metric, "bytes": budget.bytes},
         "reference_loss": ref,
         "runs": runs,

@@ -78,10 +78,16 @@ def measure(m: Method, env: StepEnv, warmup: int, steps: int) -> RankResult:
     runner.finish()
     median = statistics.median(times) if times else first_s
     return RankResult(
-        rank=env.rank, loss=loss, step_s=times, first_step_s=first_s,
+        rank=env.rank,
+        loss=loss,
+        step_s=times,
+        first_step_s=first_s,
         compile_s=max(0.0, first_s - median) if m.compiled else 0.0,
-        saved_bytes=saved.total, peak_rss_mb=peak_rss_mb(), peak_rss_delta_mb=peak_rss_mb() - rss0,
-        cuda_max_allocated=torch.cuda.max_memory_allocated(env.device) if cuda else None, notes=runner.notes,
+        saved_bytes=saved.total,
+        peak_rss_mb=peak_rss_mb(),
+        peak_rss_delta_mb=peak_rss_mb() - rss0,
+        cuda_max_allocated=torch.cuda.max_memory_allocated(env.device) if cuda else None,
+        notes=runner.notes,
     )
 
 

@@ -28,17 +28,26 @@ class Method:
     label: str = ""
 
 
-METHODS: dict[str, Method] = {m.name: m for m in (
-    Method("eager", "single", False, False, label="single device, eager"),
-    Method("compiled", "single", False, True, label="single device, torch.compile"),
-    Method("ulysses", "ds-ulysses", True, False, label="hand-written DeepSpeed-Ulysses, eager"),
-    Method("ulysses-compiled", "ds-ulysses", True, True, label="hand-written DeepSpeed-Ulysses, torch.compile"),
-    Method("ds-autosp", "ds-autosp", True, True, label="DeepSpeed AutoSP (deepcompile, inductor)"),
-    Method("autosp-ulysses", "autosp", True, True, {"variant": "ulysses", "sac": False}, "ours: ulysses"),
-    Method("autosp-ulysses-sac", "autosp", True, True, {"variant": "ulysses", "sac": True}, "ours: ulysses + SAC"),
-    Method("autosp-ulysses-auto", "autosp", True, True, {"variant": "ulysses", "sac": "auto"},
-           "ours: ulysses, SAC by cost model (the default)"),
-)}
+METHODS: dict[str, Method] = {
+    m.name: m
+    for m in (
+        Method("eager", "single", False, False, label="single device, eager"),
+        Method("compiled", "single", False, True, label="single device, torch.compile"),
+        Method("ulysses", "ds-ulysses", True, False, label="hand-written DeepSpeed-Ulysses, eager"),
+        Method("ulysses-compiled", "ds-ulysses", True, True, label="hand-written DeepSpeed-Ulysses, torch.compile"),
+        Method("ds-autosp", "ds-autosp", True, True, label="DeepSpeed AutoSP (deepcompile, inductor)"),
+        Method("autosp-ulysses", "autosp", True, True, {"variant": "ulysses", "sac": False}, "ours: ulysses"),
+        Method("autosp-ulysses-sac", "autosp", True, True, {"variant": "ulysses", "sac": True}, "ours: ulysses + SAC"),
+        Method(
+            "autosp-ulysses-auto",
+            "autosp",
+            True,
+            True,
+            {"variant": "ulysses", "sac": "auto"},
+            "ours: ulysses, SAC by cost model (the default)",
+        ),
+    )
+}
 REFERENCE = "eager"  # its loss is the single-device loss the others are compared with
 BASELINE = "ulysses"  # ratios in results.md are against this one
 
@@ -77,7 +86,8 @@ class SingleRunner(Runner):
     def __init__(self, m: Method, env: StepEnv) -> None:
         self.model = build_model(env.workload, env.device)
         self.fn: Callable[..., torch.Tensor] = (
-            torch.compile(self.model, backend=env.backend) if m.compiled else self.model)  # type: ignore[assignment]
+            torch.compile(self.model, backend=env.backend) if m.compiled else self.model
+        )  # type: ignore[assignment]
         self.ids, self.labels = make_batch(env.workload, env.device)
         self.notes = {}
 
@@ -103,8 +113,12 @@ class AutoSPRunner(Runner):
         reports = getattr(self.fn, "autosp_reports", [])
         if reports:
             r = reports[0]
-            self.notes = {"collectives": dict(r.collectives), "fallbacks": list(r.fallbacks),
-                          "sac": {k: str(v) for k, v in r.sac.items()}, "sites": len(r.sites)}
+            self.notes = {
+                "collectives": dict(r.collectives),
+                "fallbacks": list(r.fallbacks),
+                "sac": {k: str(v) for k, v in r.sac.items()},
+                "sites": len(r.sites),
+            }
 
 
 class UlyssesRunner(Runner):

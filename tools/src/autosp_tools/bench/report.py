@@ -65,16 +65,22 @@ def markdown(results: dict[str, Any]) -> str:
     ref = results["reference_loss"].get(str(at))
     base_long = _longest_cell(results["longest"].get(base_name))[1]
     lines = [
-        (f"Model `{s['model_size']}` (builtin Llama: RoPE, RMSNorm, SwiGLU, GQA), batch {s['batch_size']}, "
-         f"SP size {s['sp_size']}, compiler `{s['backend']}`, {results['machine']['summary']}."),
+        (
+            f"Model `{s['model_size']}` (builtin Llama: RoPE, RMSNorm, SwiGLU, GQA), batch {s['batch_size']}, "
+            f"SP size {s['sp_size']}, compiler `{s['backend']}`, {results['machine']['summary']}."
+        ),
         "",
-        (f"At sequence length {at}; ratios (×) are against `{base_name}` (hand-written DeepSpeed-Ulysses, eager). "
-         f"Memory is per rank; saved = bytes autograd keeps for backward (parameters excluded); "
-         f"longest = longest sequence whose `{results['budget']['metric']}` memory per rank stays under "
-         f"{results['budget']['bytes'] / MB:g} MB (≥: the search stopped at its cap)."),
+        (
+            f"At sequence length {at}; ratios (×) are against `{base_name}` (hand-written DeepSpeed-Ulysses, eager). "
+            f"Memory is per rank; saved = bytes autograd keeps for backward (parameters excluded); "
+            f"longest = longest sequence whose `{results['budget']['metric']}` memory per rank stays under "
+            f"{results['budget']['bytes'] / MB:g} MB (≥: the search stopped at its cap)."
+        ),
         "",
-        ("| method | loss | single-device loss | saved MB | × | peak RSS Δ MB | × | step ms | × | tokens/s | × "
-         "| compile s | longest seq | × |"),
+        (
+            "| method | loss | single-device loss | saved MB | × | peak RSS Δ MB | × | step ms | × | tokens/s | × "
+            "| compile s | longest seq | × |"
+        ),
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name in results["methods"]:
@@ -90,16 +96,27 @@ def markdown(results: dict[str, Any]) -> str:
             f"{_ratio(saved, base.get('saved_bytes', 0) / MB)} | {rss:.0f} | {_ratio(rss, base.get('peak_rss_delta_mb'))} | "
             f"{step:.1f} | {_ratio(step, (base.get('median_step_s') or 0) * 1e3)} | {_num(sm['tokens_per_s'], ',.0f')} | "
             f"{_ratio(sm['tokens_per_s'], base.get('tokens_per_s'))} | {sm['compile_s']:.1f} | {long_txt} | "
-            f"{_ratio(long_n, base_long)} |")
-    lines += ["", "All attempts (saved MB per rank / median step ms / loss):", "",
-              "| method | " + " | ".join(f"S={n}" for n in lengths) + " |", "|---|" + "---|" * len(lengths)]
+            f"{_ratio(long_n, base_long)} |"
+        )
+    lines += [
+        "",
+        "All attempts (saved MB per rank / median step ms / loss):",
+        "",
+        "| method | " + " | ".join(f"S={n}" for n in lengths) + " |",
+        "|---|" + "---|" * len(lengths),
+    ]
     for name in results["methods"]:
         cells = []
         for n in lengths:
             r = by.get((name, n))
             sm = r.get("summary") if r else None
-            cells.append("–" if r is None else "failed" if not sm else
-                         f"{sm['saved_bytes'] / MB:.2f} / {sm['median_step_s'] * 1e3:.1f} / {sm['loss']:.4f}")
+            cells.append(
+                "–"
+                if r is None
+                else "failed"
+                if not sm
+                else f"{sm['saved_bytes'] / MB:.2f} / {sm['median_step_s'] * 1e3:.1f} / {sm['loss']:.4f}"
+            )
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     errors = [(r["method"], r["seq_len"], r["error"]) for r in runs if r["error"]]
     if errors:
@@ -117,8 +134,11 @@ def plots(out: Path, results: dict[str, Any]) -> list[Path]:
     paths = []
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name in results["methods"]:
-        pts = sorted((r["seq_len"], r["summary"]["saved_bytes"] / MB) for r in results["runs"]
-                     if r["method"] == name and r["summary"])
+        pts = sorted(
+            (r["seq_len"], r["summary"]["saved_bytes"] / MB)
+            for r in results["runs"]
+            if r["method"] == name and r["summary"]
+        )
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
     ax.set_xscale("log", base=2)

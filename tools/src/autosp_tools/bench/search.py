@@ -37,16 +37,23 @@ class Budget:
         return bool(run["ok"]) and used is not None and used <= self.bytes
 
 
-def longest(attempt: Callable[[int], dict[str, Any]], budget: Budget, start: int, stop: int, multiple: int,
-            refine: int) -> dict[str, Any]:
+def longest(
+    attempt: Callable[[int], dict[str, Any]], budget: Budget, start: int, stop: int, multiple: int, refine: int
+) -> dict[str, Any]:
     """``{"seq_len": longest fitting length or None, "capped": bool, "attempts": [...]}``."""
     tried: list[dict[str, Any]] = []
 
     def fits(n: int) -> bool:
         run = attempt(n)
         ok = budget.fits(run)
-        tried.append({"seq_len": n, "fits": ok, "bytes": metric_bytes(run, budget.metric),
-                      "error": None if run["ok"] else (run["error"] or "")[-300:]})
+        tried.append(
+            {
+                "seq_len": n,
+                "fits": ok,
+                "bytes": metric_bytes(run, budget.metric),
+                "error": None if run["ok"] else (run["error"] or "")[-300:],
+            }
+        )
         return ok
 
     best, bad, n = None, None, start

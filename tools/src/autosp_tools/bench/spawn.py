@@ -59,8 +59,9 @@ def _worker(rank: int, a: Attempt, store_path: str, out_dir: str, threads: int, 
         if a.world > 1:
             store = dist.FileStore(store_path, a.world)
             backend = "nccl" if device.type == "cuda" else "gloo"
-            dist.init_process_group(backend, store=store, rank=rank, world_size=a.world,
-                                    timeout=datetime.timedelta(seconds=timeout_s))
+            dist.init_process_group(
+                backend, store=store, rank=rank, world_size=a.world, timeout=datetime.timedelta(seconds=timeout_s)
+            )
         env = StepEnv(a.workload, rank, a.world, device, a.backend, a.zero_stage)
         result = ("ok", measure(a.method, env, a.warmup, a.steps).as_dict())
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which records it
@@ -81,8 +82,13 @@ def run_attempt(a: Attempt, timeout_s: float = 600.0) -> dict[str, Any]:
     t0 = time.perf_counter()
     try:
         with tempfile.TemporaryDirectory(prefix="autosp-bench-") as tmp:
-            ctx = mp.start_processes(_worker, args=(a, os.path.join(tmp, "store"), tmp, threads, timeout_s),
-                                     nprocs=world, start_method="spawn", join=False)
+            ctx = mp.start_processes(
+                _worker,
+                args=(a, os.path.join(tmp, "store"), tmp, threads, timeout_s),
+                nprocs=world,
+                start_method="spawn",
+                join=False,
+            )
             error = _wait(ctx, time.monotonic() + timeout_s)
             results = []
             for r in range(world):
@@ -96,8 +102,12 @@ def run_attempt(a: Attempt, timeout_s: float = 600.0) -> dict[str, Any]:
     errors = [f"rank {r}: {msg}" for r, (status, msg) in enumerate(results) if status == "error"]
     if error and not errors:
         errors = [error]
-    return {"ok": not errors, "error": "\n".join(errors) or None,
-            "ranks": [v for s, v in results if s == "ok"], "wall_s": time.perf_counter() - t0}
+    return {
+        "ok": not errors,
+        "error": "\n".join(errors) or None,
+        "ranks": [v for s, v in results if s == "ok"],
+        "wall_s": time.perf_counter() - t0,
+    }
 
 
 def _wait(ctx: Any, deadline: float) -> str | None:

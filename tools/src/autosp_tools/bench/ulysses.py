@@ -71,8 +71,9 @@ class UlyssesLM(nn.Module):
         return loss_sum, (flat != IGNORE).sum()
 
 
-def shard_inputs(ids: torch.Tensor, labels: torch.Tensor, rank: int, world: int
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def shard_inputs(
+    ids: torch.Tensor, labels: torch.Tensor, rank: int, world: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This rank's ids, next-token targets and positions; the shift happens before sharding."""
     S = ids.shape[1]
     if S % world:

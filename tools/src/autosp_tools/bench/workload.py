@@ -27,8 +27,16 @@ class Workload:
 
     def model_config(self) -> ModelConfig:
         dim, layers, heads, kv_heads, hidden = PRESETS[self.size]
-        return ModelConfig(vocab=VOCAB, dim=dim, layers=layers, heads=heads, kv_heads=kv_heads, hidden=hidden,
-                           max_len=max(self.seq_len, 2), impl="builtin")
+        return ModelConfig(
+            vocab=VOCAB,
+            dim=dim,
+            layers=layers,
+            heads=heads,
+            kv_heads=kv_heads,
+            hidden=hidden,
+            max_len=max(self.seq_len, 2),
+            impl="builtin",
+        )
 
     @property
     def tokens(self) -> int:
@@ -83,8 +91,7 @@ class PositionIdsLM(nn.Module):
         for block in lm.blocks:
             x = block(x, cos, sin)
         logits = lm.head(lm.norm(x))
-        return F.cross_entropy(logits[:, :-1].reshape(-1, lm.c.vocab), labels[:, 1:].reshape(-1),
-                               ignore_index=IGNORE)
+        return F.cross_entropy(logits[:, :-1].reshape(-1, lm.c.vocab), labels[:, 1:].reshape(-1), ignore_index=IGNORE)
 
 
 __all__ = ["IGNORE", "VOCAB", "PositionIdsLM", "Workload", "build_model", "make_batch", "repeat_kv", "rope_tables"]

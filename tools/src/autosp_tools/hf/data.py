@@ -34,8 +34,11 @@ def shard_over_dp(loader: Any, dp_rank: int, dp_size: int) -> Any:
             "dataloader scatters one batch over all processes; pass "
             "TrainingArguments(accelerator_config={'dispatch_batches': False})"
         )
-    shards = [s for s in (getattr(loader, "batch_sampler", None), getattr(loader, "dataset", None))
-              if isinstance(s, (BatchSamplerShard, IterableDatasetShard))]
+    shards = [
+        s
+        for s in (getattr(loader, "batch_sampler", None), getattr(loader, "dataset", None))
+        if isinstance(s, (BatchSamplerShard, IterableDatasetShard))
+    ]
     for shard in shards:
         # With split_batches the shard slices each batch num_processes ways: now dp ways.
         shard.num_processes = dp_size

@@ -72,9 +72,18 @@ def train(run: Run, rank: int, world: int, **trainer_kwargs: Any) -> Any:
     torch._dynamo.reset()  # each run compiles its own shapes; stay under Dynamo's recompile limit
     with tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(
-            output_dir=out, max_steps=run.steps, per_device_train_batch_size=run.batch,
-            gradient_accumulation_steps=run.grad_accum, learning_rate=1e-2, lr_scheduler_type="constant",
-            logging_steps=1, seed=0, use_cpu=True, report_to="none", save_strategy="no", disable_tqdm=True,
+            output_dir=out,
+            max_steps=run.steps,
+            per_device_train_batch_size=run.batch,
+            gradient_accumulation_steps=run.grad_accum,
+            learning_rate=1e-2,
+            lr_scheduler_type="constant",
+            logging_steps=1,
+            seed=0,
+            use_cpu=True,
+            report_to="none",
+            save_strategy="no",
+            disable_tqdm=True,
             dataloader_num_workers=0,
         )
         trainer: Any
@@ -83,8 +92,14 @@ def train(run: Run, rank: int, world: int, **trainer_kwargs: Any) -> Any:
         else:
             from autosp_tools.hf import AutoSPTrainer
 
-            trainer = AutoSPTrainer(model=tiny_llama(), args=args, train_dataset=dataset(), sp_size=run.sp_size,
-                                    autosp_backend=run.backend, **trainer_kwargs)
+            trainer = AutoSPTrainer(
+                model=tiny_llama(),
+                args=args,
+                train_dataset=dataset(),
+                sp_size=run.sp_size,
+                autosp_backend=run.backend,
+                **trainer_kwargs,
+            )
         trainer.remove_callback(PrinterCallback)
         trainer.train()
     return trainer
@@ -114,8 +129,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     dp = a.nproc // a.sp_size
     backend: Backend = a.backend
-    sp = Run(nproc=a.nproc, sp_size=a.sp_size, steps=a.steps, grad_accum=a.grad_accum, batch=a.batch,
-             backend=backend)
+    sp = Run(nproc=a.nproc, sp_size=a.sp_size, steps=a.steps, grad_accum=a.grad_accum, batch=a.batch, backend=backend)
     ref = Run(nproc=1, sp_size=None, steps=a.steps, grad_accum=a.grad_accum, batch=a.batch * dp)
     want = launch(_curve, ref, always_spawn=True)
     got = launch(_curve, sp)

@@ -78,8 +78,13 @@ class AutoSPTrainer(Trainer):
     ) -> None:
         if sp_size is not None and sp_size < 1:
             raise ValueError(f"sp_size must be a positive number of ranks, got {sp_size}")
-        self.autosp = AutoSPSettings(sp_size=sp_size, variant=variant, sac=sac, backend=autosp_backend,
-                                     compile_options=dict(autosp_options or {}))
+        self.autosp = AutoSPSettings(
+            sp_size=sp_size,
+            variant=variant,
+            sac=sac,
+            backend=autosp_backend,
+            compile_options=dict(autosp_options or {}),
+        )
         self._autosp_groups: Groups | None = None
         self._autosp_program: Any = None
         super().__init__(*args, **kwargs)
@@ -163,9 +168,17 @@ class AutoSPTrainer(Trainer):
                     dist.broadcast(t, src=0)
         sp_kwargs: dict[str, Any] = {"sp_size": self.sp_size, "group": groups.sp} if world > 1 else {}
         # A module compiles to its OptimizedModule (forward routed through AutoSP's guarded call).
-        program = cast(nn.Module, autosp.compile(
-            model, variant=self.autosp.variant, sac=self.autosp.sac, backend=self._autosp_inner_backend(),
-            **sp_kwargs, **self.autosp.compile_options))
+        program = cast(
+            nn.Module,
+            autosp.compile(
+                model,
+                variant=self.autosp.variant,
+                sac=self.autosp.sac,
+                backend=self._autosp_inner_backend(),
+                **sp_kwargs,
+                **self.autosp.compile_options,
+            ),
+        )
         if groups.dp_size > 1:
             from torch.nn.parallel import DistributedDataParallel as DDP
 

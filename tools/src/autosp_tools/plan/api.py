@@ -82,22 +82,51 @@ def plan(
         check_seq(seq, layout)
     torch_dtype = _dtype(dtype)
     device = resolve_device(hardware, memory_gb)
-    source = model if isinstance(model, ModelSource) else (
-        resolve_model(model) if isinstance(model, str) else factory_source(getattr(model, "__name__", "model"), model, layers))
+    source = (
+        model
+        if isinstance(model, ModelSource)
+        else (
+            resolve_model(model)
+            if isinstance(model, str)
+            else factory_source(getattr(model, "__name__", "model"), model, layers)
+        )
+    )
     modes = list(modes) if modes is not None else default_modes(sp, source.heads, hardware)
     hint = seq if seq is not None else 4096 * sp
-    models, params, counts, compile_s = timed_models(source, modes, sp=sp, dtype=torch_dtype, batch=batch,
-                                                    seq_hint=hint, spec=model if isinstance(model, str) else None)
+    models, params, counts, compile_s = timed_models(
+        source,
+        modes,
+        sp=sp,
+        dtype=torch_dtype,
+        batch=batch,
+        seq_hint=hint,
+        spec=model if isinstance(model, str) else None,
+    )
     reserve = reserve_gb * 2**30 if reserve_gb is not None else DEFAULT_RESERVE * device.memory_bytes
-    p = Plan(source.name, source.layers, counts, params, str(torch_dtype).removeprefix("torch."), layout,
-             device.name, device.memory_bytes, reserve, state_bytes(params, torch_dtype, layout), models,
-             compile_s=compile_s)
+    p = Plan(
+        source.name,
+        source.layers,
+        counts,
+        params,
+        str(torch_dtype).removeprefix("torch."),
+        layout,
+        device.name,
+        device.memory_bytes,
+        reserve,
+        state_bytes(params, torch_dtype, layout),
+        models,
+        compile_s=compile_s,
+    )
     if len(counts) == 2:
         p.notes.append(f"compiled with 1 and 2 layers; per-layer quantities scaled to {source.layers} layers")
-    p.notes.append("peak = parameters + optimizer state + the step's peak (activations, and gradients as the "
-                   "backward produces them, unsharded); ZeRO-2/3 shard gradients only after the step")
-    p.notes.append("AutoSP rows use the min-cut partitioner as its Inductor path does; hand-written Ulysses keeps "
-                   "activations as eager does (SAC off, AOT's default partitioner)")
+    p.notes.append(
+        "peak = parameters + optimizer state + the step's peak (activations, and gradients as the "
+        "backward produces them, unsharded); ZeRO-2/3 shard gradients only after the step"
+    )
+    p.notes.append(
+        "AutoSP rows use the min-cut partitioner as its Inductor path does; hand-written Ulysses keeps "
+        "activations as eager does (SAC off, AOT's default partitioner)"
+    )
     ok = [m for m in models if m.error is None]
     auto = _auto_pair(ok)
 
@@ -141,8 +170,16 @@ def _auto_pair(models: Sequence[Any]) -> tuple[Any, Any, str] | None:
     """SAC off and on of the first variant (or of the single device): what SAC "auto" chooses between."""
     offs = [m for m in models if m.mode.sac is False and not m.mode.handwritten]
     for off in offs:
-        on = next((m for m in models if m.mode.sac is True and m.mode.variant == off.mode.variant
-                   and m.mode.variant_options == off.mode.variant_options), None)
+        on = next(
+            (
+                m
+                for m in models
+                if m.mode.sac is True
+                and m.mode.variant == off.mode.variant
+                and m.mode.variant_options == off.mode.variant_options
+            ),
+            None,
+        )
         if on is not None:
             name = off.mode.name.replace("SAC off", "SAC auto")
             return off, on, name

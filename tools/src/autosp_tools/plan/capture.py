@@ -84,8 +84,13 @@ def _copy(gm: fx.GraphModule) -> fx.GraphModule:
 def _options(mode: Mode, sp: int) -> SPOptions:
     extra = {"hardware": mode.hardware} if mode.hardware is not None else {}
     return SPOptions(
-        sp_size=sp if sp > 1 else None, variant=mode.variant, sac=mode.sac,
-        backend="aot_eager", variant_options=dict(mode.variant_options), check_inputs="off", **extra,
+        sp_size=sp if sp > 1 else None,
+        variant=mode.variant,
+        sac=mode.sac,
+        backend="aot_eager",
+        variant_options=dict(mode.variant_options),
+        check_inputs="off",
+        **extra,
     )
 
 
@@ -94,8 +99,9 @@ def _error(e: BaseException) -> str:
     return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"[:400]
 
 
-def _compile_variant(gm: fx.GraphModule, example_inputs: Sequence[Any], modes: Sequence[Mode], sp: int,
-                     group: Any, registry: Registry) -> dict[str, Captured]:
+def _compile_variant(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], modes: Sequence[Mode], sp: int, group: Any, registry: Registry
+) -> dict[str, Captured]:
     """AutoSP's aot_eager pipeline (``autosp.compiler.compile_graph``) with one graph stage and one joint
     trace shared by modes that differ only in SAC and partitioner: each mode partitions its own copy of the
     joint with its own context, and its forward and backward stages run on the result."""
@@ -113,8 +119,12 @@ def _compile_variant(gm: fx.GraphModule, example_inputs: Sequence[Any], modes: S
 
     def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
         for mode in modes:
-            mctx = dataclasses.replace(ctx, options=_options(mode, sp), _plugin_state={},
-                                       report=Report(ctx.graph_id, mode.variant, sp, ctx.rank, "aot_eager"))
+            mctx = dataclasses.replace(
+                ctx,
+                options=_options(mode, sp),
+                _plugin_state={},
+                report=Report(ctx.graph_id, mode.variant, sp, ctx.rank, "aot_eager"),
+            )
             # AutoSP's Inductor path always partitions by min-cut (compile_graph); aot_eager only when asked.
             mctx.min_cut = mode.backend == "inductor"
             r = results[mode.name]
@@ -130,8 +140,9 @@ def _compile_variant(gm: fx.GraphModule, example_inputs: Sequence[Any], modes: S
         raise _Captured
 
     try:
-        aot_module_simplified(graph, list(example_inputs), fw_compiler=_never, bw_compiler=_never,
-                              partition_fn=partition)
+        aot_module_simplified(
+            graph, list(example_inputs), fw_compiler=_never, bw_compiler=_never, partition_fn=partition
+        )
     except _Captured:
         pass
     except Exception as e:  # noqa: BLE001
@@ -183,8 +194,17 @@ class Traced:
     param_count: int
 
 
-def trace_modes(build: Any, layers: int, modes: Sequence[Mode], *, sp: int, group: Any, dtype: torch.dtype,
-                batch: int, seq_hint: int) -> Traced:
+def trace_modes(
+    build: Any,
+    layers: int,
+    modes: Sequence[Mode],
+    *,
+    sp: int,
+    group: Any,
+    dtype: torch.dtype,
+    batch: int,
+    seq_hint: int,
+) -> Traced:
     """Build the model with ``layers`` layers on fake tensors and capture every mode's graphs.
 
     Args:

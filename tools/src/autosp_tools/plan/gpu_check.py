@@ -55,8 +55,11 @@ class Check:
             if failed:
                 result["error"] = f"failed: {failed}"
         except KeyboardInterrupt:  # gpu_check.sh's timeout: record where it stopped, then stop
-            self.data["stages"][name] = {"ok": False, "error": "interrupted (time limit)",
-                                         "seconds": round(time.perf_counter() - start, 2)}
+            self.data["stages"][name] = {
+                "ok": False,
+                "error": "interrupted (time limit)",
+                "seconds": round(time.perf_counter() - start, 2),
+            }
             self.write()
             raise
         except Exception as e:  # noqa: BLE001 - every stage's failure is recorded, the run goes on
@@ -64,8 +67,9 @@ class Check:
         result["seconds"] = round(time.perf_counter() - start, 2)
         self.data["stages"][name] = result
         self.write()
-        print(f"[gpu_check] {name}: {'ok' if result['ok'] else result['error'][:300]} ({result['seconds']} s)",
-              flush=True)
+        print(
+            f"[gpu_check] {name}: {'ok' if result['ok'] else result['error'][:300]} ({result['seconds']} s)", flush=True
+        )
         return result
 
     def write(self) -> None:
@@ -74,14 +78,23 @@ class Check:
 
 
 def env_info(device: str) -> dict[str, Any]:
-    info: dict[str, Any] = {"torch": torch.__version__, "python": platform.python_version(), "device": device,
-                            "cuda_available": torch.cuda.is_available()}
+    info: dict[str, Any] = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device": device,
+        "cuda_available": torch.cuda.is_available(),
+    }
     if device == "cuda":
         if not torch.cuda.is_available():
             raise RuntimeError("no CUDA device: run on a GPU machine, or pass --device cpu --quick to check the script")
         props = torch.cuda.get_device_properties(0)
-        info.update(name=props.name, memory_bytes=props.total_memory, capability=f"{props.major}.{props.minor}",
-                    cuda=torch.version.cuda, devices=torch.cuda.device_count())
+        info.update(
+            name=props.name,
+            memory_bytes=props.total_memory,
+            capability=f"{props.major}.{props.minor}",
+            cuda=torch.version.cuda,
+            devices=torch.cuda.device_count(),
+        )
     return info
 
 
@@ -97,8 +110,9 @@ def _verify_rank(cfg: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     torch.manual_seed(0)
     model = build_model(cfg["model"]).to(device)
     ids = torch.randint(0, cfg["model"].vocab, (1, cfg["seq"]), generator=torch.Generator().manual_seed(2)).to(device)
-    report = autosp.verify(model, ids, ids, sp_size=world, backend=cfg["backend"], variant=cfg["variant"],
-                           sac=cfg["sac"])
+    report = autosp.verify(
+        model, ids, ids, sp_size=world, backend=cfg["backend"], variant=cfg["variant"], sac=cfg["sac"]
+    )
     return {"passed": True, "report": str(report)[:2000]}
 
 
@@ -112,13 +126,17 @@ def equivalence(device: str, quick: bool) -> dict[str, Any]:
     from autosp_tools.launch import launch
 
     model = TINY if quick else replace(SHIPPED, vocab=512)
-    combos = [("ulysses", "aot_eager", False)] if quick else [
-        (v, b, s) for v in ("ulysses", "ring") for b in ("aot_eager", "inductor") for s in (False, True)]
+    combos = (
+        [("ulysses", "aot_eager", False)]
+        if quick
+        else [(v, b, s) for v in ("ulysses", "ring") for b in ("aot_eager", "inductor") for s in (False, True)]
+    )
     out = {}
     for variant, backend, sac in combos:
         key = f"{variant}/{backend}/sac={sac}"
-        cfg = _Cfg(device=device, model=model, seq=256 if quick else 1024, backend=backend, variant=variant,
-                   sac=sac, world=2)
+        cfg = _Cfg(
+            device=device, model=model, seq=256 if quick else 1024, backend=backend, variant=variant, sac=sac, world=2
+        )
         try:
             out[key] = launch(_verify_rank, cfg)
         except Exception as e:  # noqa: BLE001 - one combination failing is recorded, the others run
@@ -163,8 +181,10 @@ def sac_kernels(device: str, quick: bool) -> dict[str, Any]:
                         loss = compiled(ids, ids)
                     loss.backward()
                 report = compiled.autosp_reports[0] if compiled.autosp_reports else None
-                row[f"sac={sac}"] = {"saved_bytes": saved.total,
-                                     "sac_report": {k: str(v) for k, v in report.sac.items()} if report else {}}
+                row[f"sac={sac}"] = {
+                    "saved_bytes": saved.total,
+                    "sac_report": {k: str(v) for k, v in report.sac.items()} if report else {},
+                }
             on = row["sac=True"]["sac_report"]
             row["attention forwards in backward"] = on.get("attention forwards in backward")
             row["ok"] = str(row["attention forwards in backward"]) == "0"
@@ -186,15 +206,25 @@ def plan_vs_measured(device: str, quick: bool) -> dict[str, Any]:
         for seq in seqs:
             for sac in (False, True):
                 # Inductor on the GPU (what users run); aot_eager on the CPU, where the peak is read by MemTracker.
-                case = Case(model, seq=seq * (sp if sp > 1 else 1), sp=sp, sac=sac, device=device, dtype=dtype,
-                            backend="inductor" if device == "cuda" else "aot_eager")
+                case = Case(
+                    model,
+                    seq=seq * (sp if sp > 1 else 1),
+                    sp=sp,
+                    sac=sac,
+                    device=device,
+                    dtype=dtype,
+                    backend="inductor" if device == "cuda" else "aot_eager",
+                )
                 key = f"sp={sp}/seq={case.seq}/sac={sac}"
                 try:
                     p = predict(case)
                     m = measure(case, 0, 1) if sp == 1 else measure_fake_world(case)
-                    out[key] = {"predicted": p, "measured": m,
-                                "saved_ratio": p["saved_bytes"] / m["saved_bytes"] if m["saved_bytes"] else None,
-                                "peak_ratio": p["peak_bytes"] / m["peak_bytes"] if m["peak_bytes"] else None}
+                    out[key] = {
+                        "predicted": p,
+                        "measured": m,
+                        "saved_ratio": p["saved_bytes"] / m["saved_bytes"] if m["saved_bytes"] else None,
+                        "peak_ratio": p["peak_bytes"] / m["peak_bytes"] if m["peak_bytes"] else None,
+                    }
                 except Exception as e:  # noqa: BLE001
                     out[key] = {"error": f"{type(e).__name__}: {str(e)[:1000]}"}
                 if quick:
@@ -211,8 +241,16 @@ def step_time(device: str, quick: bool) -> dict[str, Any]:
     seq = 512 if quick else 16384
     out: dict[str, Any] = {}
     for sac in (False, True):
-        case = Case(model, seq=seq, sp=2, sac=sac, device=device, dtype=dtype,
-                    backend="aot_eager" if quick else "inductor", extra={"time_steps": 2 if quick else 5})
+        case = Case(
+            model,
+            seq=seq,
+            sp=2,
+            sac=sac,
+            device=device,
+            dtype=dtype,
+            backend="aot_eager" if quick else "inductor",
+            extra={"time_steps": 2 if quick else 5},
+        )
         try:
             out[f"autosp sac={sac}"] = measure_fake_world(case)
         except Exception as e:  # noqa: BLE001
@@ -229,8 +267,15 @@ def _handwritten_step(model: ModelConfig, seq: int, device: str, dtype: str, qui
     """Compiled hand-written Ulysses (``autosp_tools.bench``), 2 ranks on the shared device over gloo."""
     from autosp_tools.launch import launch
 
-    cfg = _Cfg(model=model, seq=seq, device=device, dtype=dtype, steps=2 if quick else 5, world=2,
-               backend="aot_eager" if quick else "inductor")
+    cfg = _Cfg(
+        model=model,
+        seq=seq,
+        device=device,
+        dtype=dtype,
+        steps=2 if quick else 5,
+        world=2,
+        backend="aot_eager" if quick else "inductor",
+    )
     return launch(_handwritten_rank, cfg)
 
 
@@ -282,8 +327,12 @@ def main(argv: list[str] | None = None) -> int:
     if not env["ok"]:
         print(f"gpu_check: {env['error']}", file=sys.stderr)
         return 2
-    stages = {"equivalence": equivalence, "sac_kernels": sac_kernels, "plan_vs_measured": plan_vs_measured,
-              "step_time": step_time}
+    stages = {
+        "equivalence": equivalence,
+        "sac_kernels": sac_kernels,
+        "plan_vs_measured": plan_vs_measured,
+        "step_time": step_time,
+    }
     for name in args.stages.split(","):
         if name in stages:
             check.stage(name, functools.partial(stages[name], args.device, args.quick))

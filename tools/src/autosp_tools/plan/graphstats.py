@@ -109,8 +109,11 @@ def collective_kind(node: fx.Node) -> str | None:
     name = str(node.target)
     if name.startswith("_c10d_functional.") and "wait_tensor" not in name:
         base = name.split(".")[1]
-        return {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
-                "all_to_all_single": "all_to_all"}.get(base, base.removesuffix("_"))
+        return {
+            "all_gather_into_tensor": "all_gather",
+            "reduce_scatter_tensor": "reduce_scatter",
+            "all_to_all_single": "all_to_all",
+        }.get(base, base.removesuffix("_"))
     return None
 
 
@@ -157,9 +160,15 @@ class ExprTable:
 
 # Integer functions torch's symbolic shapes use, for lambdify (sizes of multiples of P divide exactly).
 _SYMPY_FUNCTIONS = {
-    "FloorDiv": lambda a, b: a // b, "CleanDiv": lambda a, b: a // b, "CeilDiv": lambda a, b: -(-a // b),
-    "IntTrueDiv": lambda a, b: a / b, "Mod": lambda a, b: a % b, "PythonMod": lambda a, b: a % b,
-    "ModularIndexing": lambda a, b, c: (a // b) % c, "Max": max, "Min": min,
+    "FloorDiv": lambda a, b: a // b,
+    "CleanDiv": lambda a, b: a // b,
+    "CeilDiv": lambda a, b: -(-a // b),
+    "IntTrueDiv": lambda a, b: a / b,
+    "Mod": lambda a, b: a % b,
+    "PythonMod": lambda a, b: a % b,
+    "ModularIndexing": lambda a, b, c: (a // b) % c,
+    "Max": max,
+    "Min": min,
 }
 
 
@@ -254,8 +263,13 @@ def _bases(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
     return base
 
 
-def _timeline(gm: fx.GraphModule, table: ExprTable, counted: Callable[[fx.Node], bool],
-              carried: dict[fx.Node, int], grads: bool = False) -> Timeline:
+def _timeline(
+    gm: fx.GraphModule,
+    table: ExprTable,
+    counted: Callable[[fx.Node], bool],
+    carried: dict[fx.Node, int],
+    grads: bool = False,
+) -> Timeline:
     """Events of one graph. ``counted`` says which placeholders hold bytes of this step; ``carried`` maps
     those already live (allocated by the forward) to their expression index: freed here, never allocated."""
     nodes = list(gm.graph.nodes)
@@ -302,7 +316,9 @@ def _seq_symbol(gm: fx.GraphModule) -> sympy.Symbol | None:
             if isinstance(val, torch.SymInt):
                 symbols |= _expr(val).free_symbols
     if len(symbols) > 1:
-        raise ValueError(f"the graph has several symbolic sizes ({sorted(map(str, symbols))}); expected only the length")
+        raise ValueError(
+            f"the graph has several symbolic sizes ({sorted(map(str, symbols))}); expected only the length"
+        )
     return next(iter(symbols), None)
 
 
@@ -335,8 +351,9 @@ def ring_flops(node: fx.Node, ring: int) -> sympy.Expr:
     return ATTENTION_BACKWARD_FACTOR * flops if backward else flops
 
 
-def graph_stats(forward: fx.GraphModule, backward: fx.GraphModule, num_user_outputs: int,
-                param_inputs: set[int], ring: int = 1) -> GraphStats:
+def graph_stats(
+    forward: fx.GraphModule, backward: fx.GraphModule, num_user_outputs: int, param_inputs: set[int], ring: int = 1
+) -> GraphStats:
     """Statistics of one partitioned pair. ``param_inputs``: forward placeholder positions that are
     parameters; ``ring``: ranks in a ring-attention group (its traffic is inside an opaque op)."""
     table = ExprTable(_seq_symbol(forward))
@@ -345,8 +362,13 @@ def graph_stats(forward: fx.GraphModule, backward: fx.GraphModule, num_user_outp
     if table.symbol is not None:
         # AOT may add or drop size placeholders, shifting positions: with the length symbolic, a floating
         # input whose size does not depend on it is a parameter or buffer (sequence inputs always do).
-        params |= {n for n in fwd_placeholders if isinstance(n.meta.get("val"), torch.Tensor)
-                   and n.meta["val"].is_floating_point() and not tensor_bytes(n.meta["val"]).free_symbols}
+        params |= {
+            n
+            for n in fwd_placeholders
+            if isinstance(n.meta.get("val"), torch.Tensor)
+            and n.meta["val"].is_floating_point()
+            and not tensor_bytes(n.meta["val"]).free_symbols
+        }
     fwd_t = _timeline(forward, table, lambda n: False, {})
     fwd_base = _bases(forward)
     outs = forward.graph.output_node().args[0]

@@ -88,8 +88,11 @@ def measure(case: Case, rank: int, world: int) -> dict[str, Any]:
     from autosp_tools.plan.api import DTYPES
 
     torch._dynamo.reset()
-    device = torch.device(case.device, rank if case.device == "cuda" and torch.cuda.device_count() > 1 else 0) \
-        if case.device == "cuda" else torch.device("cpu")
+    device = (
+        torch.device(case.device, rank if case.device == "cuda" and torch.cuda.device_count() > 1 else 0)
+        if case.device == "cuda"
+        else torch.device("cpu")
+    )
     torch.manual_seed(0)
     dtype = DTYPES[case.dtype]
     before = torch.get_default_dtype()
@@ -163,8 +166,13 @@ def predict(case: Case) -> dict[str, Any]:
     from autosp_tools.plan.models import ModelSource
     from autosp_tools.plan.planner import build_models
 
-    source = ModelSource(f"shipped/{case.model.dim}", case.model.layers, lambda n: shipped_model(n, case.model),
-                         scalable=False, heads=case.model.heads)
+    source = ModelSource(
+        f"shipped/{case.model.dim}",
+        case.model.layers,
+        lambda n: shipped_model(n, case.model),
+        scalable=False,
+        heads=case.model.heads,
+    )
     mode = Mode("case", "ulysses", case.sac, backend=case.backend)
     models, _, _ = build_models(source, [mode], sp=case.sp, dtype=DTYPES[case.dtype], batch=1, seq_hint=case.seq)
     m = models[0]

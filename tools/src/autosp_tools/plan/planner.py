@@ -81,9 +81,11 @@ class ModeModel:
         def lin(f: Callable[[Any], float]) -> float:
             return f(pb) + (self.layers - l2) * (f(pb) - f(pa)) / (l2 - l1)
 
-        return max(lin(lambda p: p.forward),
-                   lin(lambda p: p.backward_activations) + pb.gradients_then,
-                   lin(lambda p: p.gradients) + pb.activations_at_end)
+        return max(
+            lin(lambda p: p.forward),
+            lin(lambda p: p.backward_activations) + pb.gradients_then,
+            lin(lambda p: p.gradients) + pb.activations_at_end,
+        )
 
     def comm(self, seq: int) -> dict[str, list[float]]:
         """Output bytes of every collective call, by kind, at ``seq``."""
@@ -92,7 +94,9 @@ class ModeModel:
         for kind in sorted(kinds):
             per_layer_count = [len(s.comm.get(kind, [])) for _, s in self.stats]
             totals = self.scaled(lambda s: sum(s.evaluate(e, seq) for e in s.comm.get(kind, [])))
-            calls = max(1, round(self.scaled(lambda s: float(len(s.comm.get(kind, []))))) if max(per_layer_count) else 0)
+            calls = max(
+                1, round(self.scaled(lambda s: float(len(s.comm.get(kind, []))))) if max(per_layer_count) else 0
+            )
             out[kind] = [totals / calls] * calls if calls else []
         return out
 
@@ -124,14 +128,22 @@ class Plan:
 
     def as_dict(self) -> dict[str, Any]:
         return {
-            "model": self.model, "layers": self.layers, "compiled_layers": self.compiled_layers,
-            "params": self.params, "dtype": self.dtype, "layout": asdict(self.layout), "device": self.device,
-            "memory_bytes": self.memory_bytes, "reserve_bytes": self.reserve_bytes,
+            "model": self.model,
+            "layers": self.layers,
+            "compiled_layers": self.compiled_layers,
+            "params": self.params,
+            "dtype": self.dtype,
+            "layout": asdict(self.layout),
+            "device": self.device,
+            "memory_bytes": self.memory_bytes,
+            "reserve_bytes": self.reserve_bytes,
             "state_bytes": {**asdict(self.state), "total": self.state.total},
             "modes": {m.mode.name: {"error": m.error, "unit": m.unit} for m in self.modes},
-            "estimates": [e.as_dict() for e in self.estimates], "max_seq": self.max_seq,
+            "estimates": [e.as_dict() for e in self.estimates],
+            "max_seq": self.max_seq,
             "curves": {k: [list(p) for p in v] for k, v in self.curves.items()},
-            "compile_s": self.compile_s, "notes": self.notes,
+            "compile_s": self.compile_s,
+            "notes": self.notes,
         }
 
 
@@ -141,11 +153,19 @@ def _stats(c: Captured, sp: int) -> GraphStats:
     return graph_stats(c.forward, c.backward, c.num_user_outputs, c.param_inputs, ring=sp // u)
 
 
-def trace_stats(source: ModelSource, layers: int, modes: Sequence[Mode], *, sp: int, group: Any,
-                dtype: torch.dtype, batch: int, seq_hint: int) -> tuple[int, dict[str, GraphStats | str]]:
+def trace_stats(
+    source: ModelSource,
+    layers: int,
+    modes: Sequence[Mode],
+    *,
+    sp: int,
+    group: Any,
+    dtype: torch.dtype,
+    batch: int,
+    seq_hint: int,
+) -> tuple[int, dict[str, GraphStats | str]]:
     """Parameter count, and per mode its statistics or why it failed, at ``layers`` layers."""
-    traced = trace_modes(source.build, layers, modes, sp=sp, group=group, dtype=dtype, batch=batch,
-                         seq_hint=seq_hint)
+    traced = trace_modes(source.build, layers, modes, sp=sp, group=group, dtype=dtype, batch=batch, seq_hint=seq_hint)
     return traced.param_count, {name: (c.error if c.error else _stats(c, sp)) for name, c in traced.captured.items()}
 
 
@@ -156,8 +176,16 @@ def _trace_in_child(spec: str, layers: int, modes: Sequence[Mode], kw: dict[str,
         return trace_stats(resolve_model(spec), layers, modes, group=group, **kw)
 
 
-def build_models(source: ModelSource, modes: Sequence[Mode], *, sp: int, dtype: torch.dtype, batch: int,
-                 seq_hint: int, spec: str | None = None) -> tuple[list[ModeModel], int, list[int]]:
+def build_models(
+    source: ModelSource,
+    modes: Sequence[Mode],
+    *,
+    sp: int,
+    dtype: torch.dtype,
+    batch: int,
+    seq_hint: int,
+    spec: str | None = None,
+) -> tuple[list[ModeModel], int, list[int]]:
     """Trace at 1 and 2 layers (or the whole model when it cannot be scaled); returns models, params, layer counts.
 
     With a model given by name (``spec``), the two traces run in two spawned processes at once.
@@ -208,8 +236,21 @@ def estimate(plan: Plan, m: ModeModel, seq: int, dtype: torch.dtype, device: Dev
     compute_s = mm / device.matmul_flops(dtype) + attn / device.attention_flops(dtype)
     # Parameters, optimizer state and the step's peak (activations, and gradients as the backward makes them).
     total = plan.state.params + plan.state.optimizer + peak
-    return Estimate(m.mode.name, seq, saved, peak, total, comm_bytes, mm, attn, compute_s, comm_s,
-                    compute_s + comm_s, total <= plan.budget_bytes, note)
+    return Estimate(
+        m.mode.name,
+        seq,
+        saved,
+        peak,
+        total,
+        comm_bytes,
+        mm,
+        attn,
+        compute_s,
+        comm_s,
+        compute_s + comm_s,
+        total <= plan.budget_bytes,
+        note,
+    )
 
 
 def _dp_sync(plan: Plan, dtype: torch.dtype) -> tuple[str, float]:
@@ -220,8 +261,9 @@ def _dp_sync(plan: Plan, dtype: torch.dtype) -> tuple[str, float]:
     return ("reduce_scatter" if plan.layout.zero >= 2 else "all_reduce"), grad_bytes
 
 
-def derive_auto(plan: Plan, off: ModeModel, on: ModeModel, seq: int, dtype: torch.dtype, device: Device,
-                name: str) -> Estimate:
+def derive_auto(
+    plan: Plan, off: ModeModel, on: ModeModel, seq: int, dtype: torch.dtype, device: Device, name: str
+) -> Estimate:
     """SAC "auto": autosp-sac's own cost model decides at this length (recompute when overhead <= threshold)."""
     from autosp_sac.cost import OVERHEAD_THRESHOLD, Costs
 
@@ -230,8 +272,14 @@ def derive_auto(plan: Plan, off: ModeModel, on: ModeModel, seq: int, dtype: torc
     a2a = off.scaled(lambda s: s.evaluate(s.forward_all_to_all, seq))
     overhead = Costs(mm, attn, a2a).overhead(device.profile)
     chosen = on if overhead <= OVERHEAD_THRESHOLD else off
-    e = estimate(plan, chosen, seq, dtype, device,
-                 note=f"auto: {'recompute' if chosen is on else 'default'} (overhead {overhead:.1%})")
+    e = estimate(
+        plan,
+        chosen,
+        seq,
+        dtype,
+        device,
+        note=f"auto: {'recompute' if chosen is on else 'default'} (overhead {overhead:.1%})",
+    )
     e.mode = name
     return e
 
@@ -261,7 +309,9 @@ def search_max_seq(fits: Callable[[int], bool], unit: int, cap: int) -> tuple[in
     return lo, False
 
 
-def timed_models(source: ModelSource, modes: Sequence[Mode], **kw: Any) -> tuple[list[ModeModel], int, list[int], float]:
+def timed_models(
+    source: ModelSource, modes: Sequence[Mode], **kw: Any
+) -> tuple[list[ModeModel], int, list[int], float]:
     start = time.perf_counter()
     models, params, counts = build_models(source, modes, **kw)
     return models, params, counts, time.perf_counter() - start

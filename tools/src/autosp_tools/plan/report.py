@@ -20,33 +20,43 @@ def _seq(n: int) -> str:
 
 def header(p: Plan) -> str:
     lay = p.layout
-    return "\n".join([
-        f"model {p.model}: {p.params / 1e9:.2f} B parameters, {p.layers} layers, {p.dtype}",
-        f"layout: {lay.gpus} GPUs = sp {lay.sp} x dp {lay.dp}, ZeRO-{lay.zero} over {lay.shard_over}, "
-        f"optimizer {lay.optimizer}",
-        f"device {p.device}: {_gib(p.memory_bytes)} GiB, reserve {_gib(p.reserve_bytes)} GiB, "
-        f"budget {_gib(p.budget_bytes)} GiB per GPU",
-        f"per GPU at rest: parameters {_gib(p.state.params)} GiB, gradients {_gib(p.state.grads)} GiB, "
-        f"optimizer {_gib(p.state.optimizer)} GiB",
-        f"all numbers are predictions from the compiled graphs (fake tensors, compile {p.compile_s:.1f} s)",
-    ] + [f"note: {n}" for n in p.notes])
+    return "\n".join(
+        [
+            f"model {p.model}: {p.params / 1e9:.2f} B parameters, {p.layers} layers, {p.dtype}",
+            f"layout: {lay.gpus} GPUs = sp {lay.sp} x dp {lay.dp}, ZeRO-{lay.zero} over {lay.shard_over}, "
+            f"optimizer {lay.optimizer}",
+            f"device {p.device}: {_gib(p.memory_bytes)} GiB, reserve {_gib(p.reserve_bytes)} GiB, "
+            f"budget {_gib(p.budget_bytes)} GiB per GPU",
+            f"per GPU at rest: parameters {_gib(p.state.params)} GiB, gradients {_gib(p.state.grads)} GiB, "
+            f"optimizer {_gib(p.state.optimizer)} GiB",
+            f"all numbers are predictions from the compiled graphs (fake tensors, compile {p.compile_s:.1f} s)",
+        ]
+        + [f"note: {n}" for n in p.notes]
+    )
 
 
 def estimates_table(rows: list[Estimate]) -> str:
-    lines = ["| mode | seq | saved GiB | step peak GiB | total GiB | fits | comm GiB by collective | TFLOP | "
-             "step s (compute + comm) | note |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| mode | seq | saved GiB | step peak GiB | total GiB | fits | comm GiB by collective | TFLOP | "
+        "step s (compute + comm) | note |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for e in rows:
         comm = ", ".join(f"{k} {_gib(v)}" for k, v in e.comm_bytes.items()) or "-"
-        lines.append(f"| {e.mode} | {_seq(e.seq)} | {_gib(e.saved_bytes)} | {_gib(e.step_peak_bytes)} | "
-                     f"{_gib(e.total_bytes)} | {'yes' if e.fits else 'no'} | {comm} | {e.flops / 1e12:.1f} | "
-                     f"{e.step_s:.3f} ({e.compute_s:.3f} + {e.comm_s:.3f}) | {e.note} |")
+        lines.append(
+            f"| {e.mode} | {_seq(e.seq)} | {_gib(e.saved_bytes)} | {_gib(e.step_peak_bytes)} | "
+            f"{_gib(e.total_bytes)} | {'yes' if e.fits else 'no'} | {comm} | {e.flops / 1e12:.1f} | "
+            f"{e.step_s:.3f} ({e.compute_s:.3f} + {e.comm_s:.3f}) | {e.note} |"
+        )
     return "\n".join(lines)
 
 
 def max_seq_table(p: Plan) -> str:
     base = p.max_seq.get("hand-written Ulysses", {}).get("seq") or 0
-    lines = ["| mode | longest seq | x hand-written | total GiB there | step s there | tokens/s per GPU |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "| mode | longest seq | x hand-written | total GiB there | step s there | tokens/s per GPU |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, r in p.max_seq.items():
         e = r["estimate"]
         if not r["seq"] or e is None:

@@ -153,4 +153,12 @@ def find_attention_sites(gm: torch.fx.GraphModule, specs: Sequence[AttentionSpec
     return sites
 
 
-__all__ = ["SDPA_SIGNATURE", "AttentionSite", "AttentionSpec", "find_attention_sites", "hint", "hints", "site_from_node"]
+__all__ = [
+    "SDPA_SIGNATURE",
+    "AttentionSite",
+    "AttentionSpec",
+    "find_attention_sites",
+    "hint",
+    "hints",
+    "site_from_node",
+]

@@ -35,8 +35,13 @@ _FLATTEN = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 _TO_BMM = _BROADCAST | _FLATTEN
 _SCALE = {aten.mul.Tensor, aten.div.Tensor}
 _ADD = {aten.add.Tensor, aten.sub.Tensor}
-_MASK = {aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.where.self, aten.where.ScalarOther,
-         aten.where.ScalarSelf}
+_MASK = {
+    aten.masked_fill.Scalar,
+    aten.masked_fill.Tensor,
+    aten.where.self,
+    aten.where.ScalarOther,
+    aten.where.ScalarSelf,
+}
 _MASKED = -1e30  # a fill at or below this weighs nothing after softmax, whatever the score
 
 
@@ -207,8 +212,12 @@ def find_eager_regions(gm: torch.fx.GraphModule) -> list[EagerRegion]:
 
 
 def _is_scores(node: torch.fx.Node) -> bool:
-    return (node.op == "call_function" and node.target in (aten.view.default, aten._unsafe_view.default)
-            and isinstance(node.args[0], torch.fx.Node) and node.args[0].target is aten.bmm.default)
+    return (
+        node.op == "call_function"
+        and node.target in (aten.view.default, aten._unsafe_view.default)
+        and isinstance(node.args[0], torch.fx.Node)
+        and node.args[0].target is aten.bmm.default
+    )
 
 
 def _back_to_scores(node: Any, shape: tuple, depth: int = 0) -> list[torch.fx.Node] | None:
@@ -273,8 +282,7 @@ def _region_at(sm: torch.fx.Node) -> EagerRegion | None:
     (b, h, s, d), (bk, hk, sk, dk), (bv, hv, sv, dv) = _shape(q), _shape(k), _shape(v)
     if _shape(out) != (b, h, s, dv) or d != dk or sk != sv or hk != hv or bk != b or bv != b:
         return None
-    region = EagerRegion(q=q, k=k, v=v, output=out, softmax=sm, score_ops=ops, dropout_p=dropout_p,
-                         weights=path)
+    region = EagerRegion(q=q, k=k, v=v, output=out, softmax=sm, score_ops=ops, dropout_p=dropout_p, weights=path)
     _judge(region, scores)
     return region
 
@@ -339,9 +347,19 @@ def region_site(region: EagerRegion) -> AttentionSite:
     """The SDPA site ``region`` becomes, for the variant to check before anything is rewritten."""
     b, h, s, d = _shape(region.q)
     mask = _mask_shape(region)
-    return AttentionSite(name=region.softmax.name, spec=SDPA_SPEC, batch=b, heads=h, kv_heads=_shape(region.k)[1],
-                         seq_len=s, kv_seq_len=_shape(region.k)[2], head_dim=d, is_causal=False,
-                         mask_shape=tuple(mask) if mask is not None else None, dtype=_val(region.q).dtype)
+    return AttentionSite(
+        name=region.softmax.name,
+        spec=SDPA_SPEC,
+        batch=b,
+        heads=h,
+        kv_heads=_shape(region.k)[1],
+        seq_len=s,
+        kv_seq_len=_shape(region.k)[2],
+        head_dim=d,
+        is_causal=False,
+        mask_shape=tuple(mask) if mask is not None else None,
+        dtype=_val(region.q).dtype,
+    )
 
 
 def rewrite_region(gm: torch.fx.GraphModule, region: EagerRegion, leaf: Any) -> torch.fx.Node:
@@ -354,8 +372,7 @@ def rewrite_region(gm: torch.fx.GraphModule, region: EagerRegion, leaf: Any) -> 
         mask = None
         if shape is not None:
             first = _chain_input(region.score_ops[0], region)
-            cur = g.call_function(aten.zeros.default, (shape,),
-                                  {"dtype": _val(first).dtype, "device": q_val.device})
+            cur = g.call_function(aten.zeros.default, (shape,), {"dtype": _val(first).dtype, "device": q_val.device})
             prev = first
             for op in region.score_ops:
                 args, kwargs = torch.fx.node.map_arg((op.args, op.kwargs), lambda a: cur if a is prev else a)
@@ -363,9 +380,17 @@ def rewrite_region(gm: torch.fx.GraphModule, region: EagerRegion, leaf: Any) -> 
             mask = cur
             if _val(region.score_ops[-1]).dtype != q_val.dtype:
                 mask = g.call_function(aten._to_copy.default, (mask,), {"dtype": q_val.dtype})
-        call = g.call_function(leaf, (region.q, region.k, region.v), {
-            "attn_mask": mask, "dropout_p": region.dropout_p, "is_causal": False, "scale": region.scale,
-            "enable_gqa": _shape(region.k)[1] != h})
+        call = g.call_function(
+            leaf,
+            (region.q, region.k, region.v),
+            {
+                "attn_mask": mask,
+                "dropout_p": region.dropout_p,
+                "is_causal": False,
+                "scale": region.scale,
+                "enable_gqa": _shape(region.k)[1] != h,
+            },
+        )
     call.meta["stack_trace"] = region.softmax.meta.get("stack_trace")
     region.output.replace_all_uses_with(call)
     g.eliminate_dead_code()

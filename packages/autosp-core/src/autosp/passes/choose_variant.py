@@ -28,8 +28,9 @@ Estimator = Callable[..., cost.Estimate]
 
 
 def _unresolved(*args: object) -> None:
-    raise AutoSPError("variant='auto' was not resolved: the autosp.choose_variant pass was disabled; enable it or "
-                      "name a variant")
+    raise AutoSPError(
+        "variant='auto' was not resolved: the autosp.choose_variant pass was disabled; enable it or name a variant"
+    )
 
 
 AUTO_VARIANT = SPVariant(
@@ -79,8 +80,9 @@ def candidates(ctx: CompileContext, only: str | None = None) -> tuple[list[cost.
         else:
             degrees = cost.hybrid_degrees(ctx.sites, ctx.world)
             if not degrees:
-                excluded.append(f"hybrid: no ulysses_degree strictly between 1 and {ctx.world} divides sp_size "
-                                "and every head count")
+                excluded.append(
+                    f"hybrid: no ulysses_degree strictly between 1 and {ctx.world} divides sp_size and every head count"
+                )
             found += [cost.hybrid(ctx.sites, ctx.world, ctx.hardware, u) for u in degrees]
     if only is None:
         excluded += [f"{n}: no cost model" for n in installed if n not in PREFERENCE]
@@ -92,7 +94,8 @@ def choose(ctx: CompileContext, only: str | None = None) -> Choice:
     if not found:
         raise AutoSPError(
             f"variant={ctx.options.variant!r}: no installed variant takes this graph at sp_size={ctx.world} ("
-            + "; ".join(excluded) + "); install autosp-ring (ring takes any head count) or change sp_size"
+            + "; ".join(excluded)
+            + "); install autosp-ring (ring takes any head count) or change sp_size"
         )
     rank = {name: i for i, name in enumerate(PREFERENCE)}
     best = min(found, key=lambda e: (e.seconds, rank[e.variant]))
@@ -118,7 +121,9 @@ def choose_variant(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
     ctx.put_state(choice)
     ctx.report.variant = f"{best.label} (chosen by variant={asked!r})"
     profile = ctx.hardware.name
-    ctx.report.notes.append(f"variant={asked!r} chose {best.label} on {profile}; candidates (attention only, per step):")
+    ctx.report.notes.append(
+        f"variant={asked!r} chose {best.label} on {profile}; candidates (attention only, per step):"
+    )
     ctx.report.notes += [f"  {'*' if e is best else ' '} {e.describe()}" for e in choice.candidates]
     ctx.report.notes += [f"    left out: {x}" for x in choice.excluded]
 

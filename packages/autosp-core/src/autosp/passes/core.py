@@ -93,7 +93,8 @@ def _refuse_unsupported(gm: torch.fx.GraphModule) -> None:
             raise AutoSPError(
                 f"{what} is not supported with sp_size > 1 yet" + (f" ({where})" if where else "") + "; for "
                 "attention, call F.scaled_dot_product_attention with the boolean mask your mask_mod describes "
-                "(Ulysses and ring both take it, and ring skips the tiles it masks out), or compile with sp_size=1")
+                "(Ulysses and ring both take it, and ring skips the tiles it masks out), or compile with sp_size=1"
+            )
 
 
 def _settle_sequence(ctx: CompileContext, lengths: list, written_out: list[EagerRegion]) -> None:
@@ -114,11 +115,13 @@ def _settle_sequence(ctx: CompileContext, lengths: list, written_out: list[Eager
             why = "no earlier graph had attention" if known is None else "its input sizes are symbolic"
             ctx.report.notes.append(
                 f"no attention in this graph and {why}: it runs whole on every rank (exact; no sequence "
-                "parallelism or memory saving for it)")
+                "parallelism or memory saving for it)"
+            )
             return
         ctx.report.notes.append(
             f"no attention in this graph: sharding inputs of sequence length {known}, the length of the last "
-            "compiled graph with attention (a graph break splits the model)")
+            "compiled graph with attention (a graph break splits the model)"
+        )
         lengths = [known]
     seq = lengths[0]
     # With a symbolic length these comparisons become guards: a length that breaks them recompiles.
@@ -157,7 +160,8 @@ def _take_written_out(aten_gm: torch.fx.GraphModule, ctx: CompileContext) -> tup
         if region.why_not is not None:
             ctx.report.notes.append(
                 f"attention written out at {region.line} kept as written, {region.why_not}: each rank computes "
-                "its rows of the scores against k and v gathered whole (exact; no variant rewrite)")
+                "its rows of the scores against k and v gathered whole (exact; no variant rewrite)"
+            )
             kept.append(region)
             continue
         rewrite_region(aten_gm, region, SDPA.leaf)
@@ -175,8 +179,9 @@ def lower(gm: torch.fx.GraphModule, ctx: CompileContext) -> torch.fx.GraphModule
         return aten_gm
     kernels = leaves_for_kernels(aten_gm)
     if kernels:
-        ctx.report.notes.append(f"{kernels} SDPA kernel call(s) from code Dynamo kept whole (nn.MultiheadAttention) "
-                                "taken as attention")
+        ctx.report.notes.append(
+            f"{kernels} SDPA kernel call(s) from code Dynamo kept whole (nn.MultiheadAttention) taken as attention"
+        )
     changed, written_out = _take_written_out(aten_gm, ctx)
     changed = changed or bool(kernels)
     if changed:
@@ -191,7 +196,8 @@ def lower(gm: torch.fx.GraphModule, ctx: CompileContext) -> torch.fx.GraphModule
         ctx.sites.remove(site)
         ctx.report.notes.append(
             f"cross-attention {site.name}: queries of length {hint(site.seq_len)} sharded, keys and values of "
-            f"length {hint(site.kv_seq_len)} whole on every rank; each rank attends for its own rows")
+            f"length {hint(site.kv_seq_len)} whole on every rank; each rank attends for its own rows"
+        )
     # Sites inside higher-order ops (checkpointed layers) and rewritten ones appear only after lowering.
     _settle_sequence(ctx, dynamo_lengths or _site_lengths(ctx.sites), written_out)
     return aten_gm
@@ -216,8 +222,9 @@ def shard(gm: torch.fx.GraphModule, ctx: CompileContext) -> torch.fx.GraphModule
     try:
         out = shard_graph(gm, sp, ctx.fake_inputs, ctx.is_param, ctx.fake_mode)
     except RuntimeError as e:
-        symbolic = any(isinstance(d, torch.SymInt) for x in ctx.fake_inputs if isinstance(x, torch.Tensor)
-                       for d in x.shape)
+        symbolic = any(
+            isinstance(d, torch.SymInt) for x in ctx.fake_inputs if isinstance(x, torch.Tensor) for d in x.shape
+        )
         if not symbolic or "is not tracked with proxy" not in str(e):
             raise
         raise AutoSPError(
@@ -251,7 +258,8 @@ def _warn_large_outputs(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
     if gathered >= LARGE_OUTPUT_BYTES:
         ctx.report.notes.append(
             f"outputs gathered whole on every rank: {gathered / 2**20:.0f} MiB per rank (an LM's logits?); return "
-            "only the loss, or compile with outputs='sharded' to get them as DTensors gathered on demand")
+            "only the loss, or compile with outputs='sharded' to get them as DTensors gathered on demand"
+        )
 
 
 def eliminate_dead_code(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
@@ -265,12 +273,24 @@ def _sp(ctx: CompileContext) -> bool:
 
 PASSES = (
     Pass("autosp.find_attention", Stage.GRAPH, find_attention, doc="find attention sites and their axes"),
-    Pass("autosp.lower", Stage.GRAPH, lower, requires=("autosp.find_attention",), applies=_sp,
-         doc="lower to functional aten, attention kept whole"),
+    Pass(
+        "autosp.lower",
+        Stage.GRAPH,
+        lower,
+        requires=("autosp.find_attention",),
+        applies=_sp,
+        doc="lower to functional aten, attention kept whole",
+    ),
     UNREPEAT_KV,
     TILE_LOSS,
-    Pass("autosp.shard", Stage.GRAPH, shard, requires=("autosp.lower",), applies=_sp,
-         doc="propagate placements; insert collectives and slices"),
+    Pass(
+        "autosp.shard",
+        Stage.GRAPH,
+        shard,
+        requires=("autosp.lower",),
+        applies=_sp,
+        doc="propagate placements; insert collectives and slices",
+    ),
     Pass("autosp.sync_grads", Stage.JOINT, sync_grads, applies=_sp, doc="all-reduce input gradients in buckets"),
     Pass("autosp.dce_forward", Stage.FORWARD, eliminate_dead_code, doc="drop dead nodes"),
     Pass("autosp.dce_backward", Stage.BACKWARD, eliminate_dead_code, doc="drop dead recompute"),

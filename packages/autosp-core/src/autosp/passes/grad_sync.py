@@ -112,8 +112,9 @@ def sync_grads(gm: fx.GraphModule, ctx: CompileContext) -> None:
                 flat[bucket.grads[0][0]] = done
                 continue
             shapes = [n.meta["val"].shape for _, n in bucket.grads]
-            pieces = _call(g, torch.ops.aten.split_with_sizes.default,
-                           (done, [int(shape.numel()) for shape in shapes]), fake_mode)
+            pieces = _call(
+                g, torch.ops.aten.split_with_sizes.default, (done, [int(shape.numel()) for shape in shapes]), fake_mode
+            )
             for k, ((slot, _), shape) in enumerate(zip(bucket.grads, shapes)):
                 piece = _call(g, operator.getitem, (pieces, k), fake_mode)
                 flat[slot] = _call(g, torch.ops.aten.view.default, (piece, list(shape)), fake_mode)

@@ -36,8 +36,16 @@ aten = torch.ops.aten
 
 CHUNK_BYTES = 32 * 2**20  # one chunk's logits: large enough for efficient matmuls, small next to the whole
 MIN_ROWS = 64
-INDEX_OPS = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.clone.default,
-                       aten.slice.Tensor, aten.alias.default})
+INDEX_OPS = frozenset(
+    {
+        aten.view.default,
+        aten._unsafe_view.default,
+        aten.reshape.default,
+        aten.clone.default,
+        aten.slice.Tensor,
+        aten.alias.default,
+    }
+)
 LOSS_NAMES = ("cross_entropy", "nll_loss")
 
 
@@ -101,7 +109,9 @@ def _match(nll: fx.Node) -> _Match | str:
     cur, nxt = z, lsm
     while True:
         if _live_users(cur) != [nxt]:
-            return f"the logits ({cur.name}) are used elsewhere (returned or read by another op), so they are live anyway"
+            return (
+                f"the logits ({cur.name}) are used elsewhere (returned or read by another op), so they are live anyway"
+            )
         if cur.target in (aten.mm.default, aten.addmm.default):
             break
         step = _epilogue_step(cur)
@@ -146,7 +156,7 @@ def _rows(ctx: CompileContext, vocab: int, dtype: torch.dtype) -> int:
 def _rewrite(gm: fx.GraphModule, ctx: CompileContext, m: _Match) -> str:
     graph = gm.graph
     mm = m.mm
-    bias, a, b_t = (mm.args if mm.target is aten.addmm.default else (None, *mm.args))
+    bias, a, b_t = mm.args if mm.target is aten.addmm.default else (None, *mm.args)
     n_tokens, vocab = _hint(_val(m.lsm).shape[0]), m.vocab
     dim = _val(a).shape[-1]
     dtype = loss_dtype(_val(a).dtype, m.steps)
@@ -159,8 +169,9 @@ def _rewrite(gm: fx.GraphModule, ctx: CompileContext, m: _Match) -> str:
     def add(target: Callable[..., Any], args: tuple, kwargs: dict | None = None) -> fx.Node:
         node = graph.call_function(target, args, kwargs or {})
         with ctx.fake_mode:
-            node.meta["val"] = target(*pytree.tree_map_only(fx.Node, _val, args),
-                                      **pytree.tree_map_only(fx.Node, _val, kwargs or {}))
+            node.meta["val"] = target(
+                *pytree.tree_map_only(fx.Node, _val, args), **pytree.tree_map_only(fx.Node, _val, kwargs or {})
+            )
         new.append(node)
         return node
 
@@ -200,19 +211,24 @@ def _rewrite(gm: fx.GraphModule, ctx: CompileContext, m: _Match) -> str:
         graph.erase_node(b_t)
     gm.recompile()
     mib = local * vocab * dtype.itemsize / 2**20
-    return (f"tiled {mm.name} ([{n_tokens}, {dim}] x [{vocab}, {dim}]) and its cross entropy in chunks of "
-            f"{rows} rows: the [{local}, {vocab}] logits per rank ({mib:.1f} MiB, and their log-softmax and "
-            "gradient) are never whole")
+    return (
+        f"tiled {mm.name} ([{n_tokens}, {dim}] x [{vocab}, {dim}]) and its cross entropy in chunks of "
+        f"{rows} rows: the [{local}, {vocab}] logits per rank ({mib:.1f} MiB, and their log-softmax and "
+        "gradient) are never whole"
+    )
 
 
 def _has_loss(gm: fx.GraphModule) -> bool:
-    return any(n.op in ("call_function", "call_method") and any(s in str(n.target) for s in LOSS_NAMES)
-               for n in gm.graph.nodes)
+    return any(
+        n.op in ("call_function", "call_method") and any(s in str(n.target) for s in LOSS_NAMES) for n in gm.graph.nodes
+    )
 
 
 def _symbolic(inputs: list[Any]) -> bool:
-    return any(isinstance(x, torch.SymInt) or (isinstance(x, torch.Tensor) and not all(isinstance(d, int) for d in x.shape))
-               for x in inputs)
+    return any(
+        isinstance(x, torch.SymInt) or (isinstance(x, torch.Tensor) and not all(isinstance(d, int) for d in x.shape))
+        for x in inputs
+    )
 
 
 def tile_loss(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule | None:
@@ -247,8 +263,12 @@ def _enabled(ctx: CompileContext) -> bool:
 
 
 TILE_LOSS = Pass(
-    "autosp.tile_loss", Stage.GRAPH, tile_loss, after=("autosp.lower", "autosp.unrepeat_kv"),
-    before=("autosp.shard",), applies=_enabled,
+    "autosp.tile_loss",
+    Stage.GRAPH,
+    tile_loss,
+    after=("autosp.lower", "autosp.unrepeat_kv"),
+    before=("autosp.shard",),
+    applies=_enabled,
     doc="LM head + cross entropy in token chunks: the [tokens, vocab] logits are never whole",
 )
 

@@ -60,8 +60,9 @@ def even_ranges(length: IntLike, world: int) -> Layout:
 def zigzag_ranges(length: IntLike, world: int) -> Layout:
     """Rank r holds chunks r and 2P-1-r of 2P: under a causal mask every rank does the same work."""
     chunk = length // (2 * world)
-    return tuple(((r * chunk, (r + 1) * chunk), ((2 * world - 1 - r) * chunk, (2 * world - r) * chunk))
-                 for r in range(world))
+    return tuple(
+        ((r * chunk, (r + 1) * chunk), ((2 * world - 1 - r) * chunk, (2 * world - r) * chunk)) for r in range(world)
+    )
 
 
 def is_even(ranges: Layout, length: IntLike) -> bool:

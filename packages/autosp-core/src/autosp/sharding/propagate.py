@@ -88,8 +88,10 @@ def finish(ctx: SPContext, v: Any) -> Any:
         ctx.outputs.append(f"{shape} shard -> returned as this rank's piece (outputs='sharded')")
         return to_shard(ctx, v, dim, Shard(SeqAxis(dim, length), ctx.even_ranges(length)))
     ctx.output_shards.append(None)
-    ctx.outputs.append(f"{shape} {type(v.placement).__name__.lower()}" + (
-        " -> gathered whole" if not isinstance(v.placement, Replicate) else ""))
+    ctx.outputs.append(
+        f"{shape} {type(v.placement).__name__.lower()}"
+        + (" -> gathered whole" if not isinstance(v.placement, Replicate) else "")
+    )
     if isinstance(v.placement, Replicate):
         if v.local.is_floating_point():
             # Gradients of replicated values are kept partial: each rank takes 1/P of the incoming one.

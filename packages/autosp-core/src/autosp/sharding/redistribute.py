@@ -9,9 +9,7 @@ from autosp.sharding.context import SPContext, SPValue
 from autosp.sharding.placement import HeadShard, IntLike, Layout, Partial, Replicate, SeqAxis, Shard, in_rank_order
 
 
-def _split_axis(
-    x: torch.Tensor, dim: int, outer: IntLike, length: IntLike, inner: IntLike
-) -> tuple[torch.Tensor, int]:
+def _split_axis(x: torch.Tensor, dim: int, outer: IntLike, length: IntLike, inner: IntLike) -> tuple[torch.Tensor, int]:
     """View ``dim`` as (outer, length, inner) when needed; return the view and the sequence dim."""
     if inner == 1 and outer == 1:
         return x, dim

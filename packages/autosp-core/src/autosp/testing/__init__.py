@@ -17,6 +17,14 @@ from autosp.testing.models import (
 )
 
 __all__ = [
-    "Config", "GPT2Block", "GPT2Like", "LlamaBlock", "LlamaLike", "MeanPoolClassifier", "RMSNorm", "SavedBytes",
-    "hf_causal_lm", "rope",
+    "Config",
+    "GPT2Block",
+    "GPT2Like",
+    "LlamaBlock",
+    "LlamaLike",
+    "MeanPoolClassifier",
+    "RMSNorm",
+    "SavedBytes",
+    "hf_causal_lm",
+    "rope",
 ]

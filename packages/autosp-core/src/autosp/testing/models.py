@@ -77,9 +77,7 @@ class LlamaBlock(nn.Module):
         h = self.n2(x)
         return x + self.down(F.silu(self.gate(h)) * self.up(h))
 
-    def attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
-    ) -> torch.Tensor:
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """Causal (or ``mask``ed) attention of ``[B, H, S, D]`` q on un-repeated ``[B, kv, S, D]`` k/v.
 
         A subclass overrides this alone to try another attention op in the same block.
@@ -140,9 +138,7 @@ class LlamaLike(nn.Module):
         for block in self.blocks:
             x = block(x, cos, sin, mask)
         logits = self.head(self.norm(x))
-        return F.cross_entropy(
-            logits[:, :-1].reshape(-1, self.c.vocab), labels[:, 1:].reshape(-1), ignore_index=-100
-        )
+        return F.cross_entropy(logits[:, :-1].reshape(-1, self.c.vocab), labels[:, 1:].reshape(-1), ignore_index=-100)
 
 
 class GPT2Block(nn.Module):
@@ -225,9 +221,16 @@ def hf_causal_lm(
     import transformers
 
     sizes: dict[str, Any] = dict(
-        vocab_size=vocab, hidden_size=dim, intermediate_size=hidden, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_len,
-        tie_word_embeddings=False, use_cache=False, attn_implementation="sdpa",
+        vocab_size=vocab,
+        hidden_size=dim,
+        intermediate_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_len,
+        tie_word_embeddings=False,
+        use_cache=False,
+        attn_implementation="sdpa",
     )
     if kind == "llama":
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(**sizes))
@@ -237,6 +240,13 @@ def hf_causal_lm(
 
 
 __all__ = [
-    "Config", "GPT2Block", "GPT2Like", "LlamaBlock", "LlamaLike", "MeanPoolClassifier", "RMSNorm", "hf_causal_lm",
+    "Config",
+    "GPT2Block",
+    "GPT2Like",
+    "LlamaBlock",
+    "LlamaLike",
+    "MeanPoolClassifier",
+    "RMSNorm",
+    "hf_causal_lm",
     "rope",
 ]

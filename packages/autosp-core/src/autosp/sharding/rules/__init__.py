@@ -28,6 +28,14 @@ from autosp.sharding.rules.base import (
 from autosp.sharding.rules.elementwise import elementwise as elementwise_rule
 
 __all__ = [
-    "RULES", "all_replicated", "call", "elementwise_rule", "fallback", "is_elementwise", "replicated", "rule",
-    "values", "wrap",
+    "RULES",
+    "all_replicated",
+    "call",
+    "elementwise_rule",
+    "fallback",
+    "is_elementwise",
+    "replicated",
+    "rule",
+    "values",
+    "wrap",
 ]

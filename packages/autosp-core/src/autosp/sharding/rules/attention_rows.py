@@ -53,9 +53,15 @@ def query_rows_attention(ctx: SPContext, node: torch.fx.Node, args: tuple, kwarg
     ctx.note("query_rows_attention")
     # SDPA itself, not the leaf: the leaf only holds attention together while the graph is lowered.
     out = F.scaled_dot_product_attention(
-        q.local, k.local if isinstance(k, SPValue) else k, v.local if isinstance(v, SPValue) else v,
-        attn_mask=local_mask, dropout_p=a["dropout_p"], is_causal=False, scale=a["scale"],
-        enable_gqa=a["enable_gqa"])
+        q.local,
+        k.local if isinstance(k, SPValue) else k,
+        v.local if isinstance(v, SPValue) else v,
+        attn_mask=local_mask,
+        dropout_p=a["dropout_p"],
+        is_causal=False,
+        scale=a["scale"],
+        enable_gqa=a["enable_gqa"],
+    )
     return SPValue(out, q.placement, node.meta["val"])
 
 

@@ -92,7 +92,6 @@ def reduce_partials(ctx: SPContext, tree: Any) -> Any:
     )
 
 
-
 def seq_dim(p: Any) -> int | None:
     if isinstance(p, (Shard, Replicate)) and getattr(p, "axis", None) is not None:
         return p.axis.dim
@@ -104,6 +103,19 @@ def is_elementwise(op: Any) -> bool:
 
 
 __all__ = [
-    "RULES", "Rule", "accepted", "all_replicated", "declare", "call", "fallback", "is_elementwise", "locals_of", "reduce_partials",
-    "replicated", "rule", "seq_dim", "values", "wrap",
+    "RULES",
+    "Rule",
+    "accepted",
+    "all_replicated",
+    "declare",
+    "call",
+    "fallback",
+    "is_elementwise",
+    "locals_of",
+    "reduce_partials",
+    "replicated",
+    "rule",
+    "seq_dim",
+    "values",
+    "wrap",
 ]

@@ -126,5 +126,3 @@ def embedding_rule(ctx, node, args, kwargs):
     if isinstance(p, Replicate):
         return SPValue(out, p, node.meta["val"])
     return fallback(ctx, node, args, kwargs)
-
-

@@ -139,5 +139,3 @@ for _op in (
     RULES[_op] = elementwise
 # Partial inputs are handled above (linear ops keep them; the rest reduce them first).
 declare(elementwise, (Partial,))
-
-

@@ -94,7 +94,11 @@ def _rowwise(dim_of: Callable[[tuple, dict, int], list[int]]) -> Rule:
         if isinstance(p, Replicate):
             return wrap(out, gval, lambda i, g: Replicate(p.axis if i == 0 else None))
         # Extra outputs (mean, rstd) keep the leading dims, so the sequence stays where it was.
-        return wrap(out, gval, lambda i, g: p if g.dim() > p.axis.dim and g.shape[p.axis.dim] == v.gval.shape[p.axis.dim] else Replicate())
+        return wrap(
+            out,
+            gval,
+            lambda i, g: p if g.dim() > p.axis.dim and g.shape[p.axis.dim] == v.gval.shape[p.axis.dim] else Replicate(),
+        )
 
     return rowwise_rule
 
@@ -163,8 +167,9 @@ def linear_cross_entropy_rule(ctx, node, args, kwargs):
     weight = to_replicate(ctx, weight, f"{node.name}: LM head weight gathered")
     bias = to_replicate(ctx, bias, f"{node.name}: LM head bias gathered") if bias is not None else None
     target_local = to_shard(ctx, target, 0, p)
-    stats = LINEAR_CROSS_ENTROPY(hidden.local, weight.local, bias.local if bias is not None else None, target_local,
-                                 *rest)
+    stats = LINEAR_CROSS_ENTROPY(
+        hidden.local, weight.local, bias.local if bias is not None else None, target_local, *rest
+    )
     # sum and count are already one vector: one all-reduce, as in reduce_together.
     ctx.note("all_reduce")
     return SPValue(C.all_reduce(stats, ctx.group_name, False), Replicate(), node.meta["val"])
@@ -195,5 +200,3 @@ def arange_rule(ctx, node, args, kwargs):
 
 def getitem(ctx: SPContext, node: torch.fx.Node, args: tuple, kwargs: dict) -> Any:
     return operator.getitem(args[0], args[1])
-
-

@@ -111,8 +111,6 @@ def t_rule(ctx, node, args, kwargs):
     return _permuted(ctx, node, args, kwargs, lambda d: (args[0].ndim - 1 - d) if args[0].ndim == 2 else d)
 
 
-
-
 @rule(aten.slice.Tensor, accepts=(Partial,))
 def slice_rule(ctx, node, args, kwargs):
     v = args[0]
@@ -247,13 +245,15 @@ def cat_rule(ctx, node, args, kwargs):
         axis = next((t.placement.axis for t in tensors if t.placement.axis and t.placement.axis.dim != dim), None)
         return replicated(ctx, node, args, kwargs, axis)
     lead = next((t for t in tensors if isinstance(t.placement, Shard)), None)
-    if lead is None or lead.placement.axis.dim == dim or any(isinstance(t.placement, (Partial, HeadShard)) for t in tensors):
+    if (
+        lead is None
+        or lead.placement.axis.dim == dim
+        or any(isinstance(t.placement, (Partial, HeadShard)) for t in tensors)
+    ):
         return fallback(ctx, node, args, kwargs)
     target = lead.placement
     parts = [to_shard(ctx, t, target.axis.dim, target) for t in tensors]
     return SPValue(torch.cat(parts, dim), Shard(target.axis, target.ranges), out_val)
-
-
 
 
 @rule(aten.gather.default)

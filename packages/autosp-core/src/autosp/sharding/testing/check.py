@@ -78,7 +78,8 @@ def _leaf(x: torch.Tensor, grad: bool) -> torch.Tensor:
 def _weights(outputs: Sequence[Any], seed: int) -> list[torch.Tensor | None]:
     gen = torch.Generator().manual_seed(seed + 7919)
     return [
-        torch.randn(o.shape, generator=gen, dtype=o.dtype) if isinstance(o, torch.Tensor) and o.is_floating_point()
+        torch.randn(o.shape, generator=gen, dtype=o.dtype)
+        if isinstance(o, torch.Tensor) and o.is_floating_point()
         else None
         for o in outputs
     ]
@@ -175,9 +176,13 @@ class _Plan:
         context = dict(self.context)
         make = self.layout
         ctx = SPContext(
-            rank=rank, world=self.world, group_name=group_name, seq_len=self.seq_len,
+            rank=rank,
+            world=self.world,
+            group_name=group_name,
+            seq_len=self.seq_len,
             attention_rule=context.pop("attention_rule", _no_attention),
-            layout_fn=(lambda length, world, _options: make(length, world)) if make else None, **context,
+            layout_fn=(lambda length, world, _options: make(length, world)) if make else None,
+            **context,
         )
         fake_mode = FakeTensorMode()
         node, gvals = _one_node_graph(self.op, self.call, fake_mode)
@@ -213,7 +218,12 @@ class _Plan:
         outputs = [constants[i] if i in constants else next(tensors) for i in range(len(seen["placements"]))]
         grads = _grads(_loss(outputs, self.weights) if len(outputs) == len(self.weights) else None, mine)
         return _RankRun(
-            outputs, grads, seen["placements"], seen["kinds"], seen["problems"], list(ctx.fallbacks),
+            outputs,
+            grads,
+            seen["placements"],
+            seen["kinds"],
+            seen["problems"],
+            list(ctx.fallbacks),
             collectives_issued(),
         )
 
@@ -289,9 +299,17 @@ def check_op(
 
     gen = torch.Generator().manual_seed(seed)
     plan = _Plan(
-        op, call, chosen, grad_of,
+        op,
+        call,
+        chosen,
+        grad_of,
         [_summands(x, world, gen) if isinstance(p, Partial) else None for x, p in zip(tensors, chosen)],
-        weights, world, seq_len, layout_fn(layout) if layout is not None else None, dict(context or {}), trace,
+        weights,
+        world,
+        seq_len,
+        layout_fn(layout) if layout is not None else None,
+        dict(context or {}),
+        trace,
     )
     lock = threading.Lock()
     try:
@@ -312,9 +330,16 @@ def check_op(
 
 
 def _verify(
-    where: str, runs: list[_RankRun], ref_out: list[Any], ref_grads: list[torch.Tensor | None],
-    placements: list[Placement], tensors: list[torch.Tensor], report: OpReport,
-    check_values: bool, atol: float | None, rtol: float | None,
+    where: str,
+    runs: list[_RankRun],
+    ref_out: list[Any],
+    ref_grads: list[torch.Tensor | None],
+    placements: list[Placement],
+    tensors: list[torch.Tensor],
+    report: OpReport,
+    check_values: bool,
+    atol: float | None,
+    rtol: float | None,
 ) -> None:
     first = runs[0]
     # Rank 0's problems, and those of other ranks that rank 0 does not share.

@@ -109,6 +109,16 @@ def resolve(spec: PlacementSpec, x: torch.Tensor, world: int) -> Placement:
 
 
 __all__ = [
-    "LAYOUTS", "LayoutFn", "PlacementSpec", "first_rank_empty_layout", "head_shard", "layout_fn", "resolve", "shard",
-    "sliced_layout", "uneven_layout", "zigzag_layout", "zigzag_sliced_layout",
+    "LAYOUTS",
+    "LayoutFn",
+    "PlacementSpec",
+    "first_rank_empty_layout",
+    "head_shard",
+    "layout_fn",
+    "resolve",
+    "shard",
+    "sliced_layout",
+    "uneven_layout",
+    "zigzag_layout",
+    "zigzag_sliced_layout",
 ]

@@ -26,9 +26,15 @@ _registered = False
 
 # ProcessGroup method -> the collective it is, for the log.
 _LOGGED = {
-    "allreduce": "all_reduce", "allreduce_coalesced": "all_reduce", "allgather": "all_gather",
-    "all_gather_single": "all_gather", "all_to_all_single": "all_to_all", "alltoall": "all_to_all",
-    "reduce_scatter": "reduce_scatter", "reduce_scatter_single": "reduce_scatter", "broadcast": "broadcast",
+    "allreduce": "all_reduce",
+    "allreduce_coalesced": "all_reduce",
+    "allgather": "all_gather",
+    "all_gather_single": "all_gather",
+    "all_to_all_single": "all_to_all",
+    "alltoall": "all_to_all",
+    "reduce_scatter": "reduce_scatter",
+    "reduce_scatter_single": "reduce_scatter",
+    "broadcast": "broadcast",
 }
 
 
