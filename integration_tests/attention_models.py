@@ -78,6 +78,11 @@ def sdpa(q, k, v, m, h=None):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
 
 
+def sdpa_padded(q, k, v, m, h=None):
+    """SDPA with the padding mask broadcast over queries ([B, 1, 1, S]), as HF code passes it."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=m.padding, enable_gqa=q.shape[1] != k.shape[1])
+
+
 def cross(q, k, v, m, h=None):
     """Self-attention, then cross-attention to 6 learned latents (a memory of another length, Perceiver-style)."""
     y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -114,6 +119,7 @@ ATTENTION: dict[str, Callable] = {
     "alibi": alibi,
     "softcap": softcap,
     "sdpa": sdpa,
+    "sdpa_padded": sdpa_padded,
     "cross": cross,
     "cross_written": cross_written,
     "mha": mha,
@@ -145,7 +151,7 @@ class Block(nn.Module):
         q = self.q(h).view(b, t, HEADS, hd).transpose(1, 2)
         k, v = self.kv(h).view(b, t, 2, self.kv_heads, hd).unbind(2)
         k, v = k.transpose(1, 2), v.transpose(1, 2)
-        if self.attend is not hf_eager and self.attend is not sdpa and self.kv_heads != HEADS:
+        if self.attend not in (hf_eager, sdpa, sdpa_padded) and self.kv_heads != HEADS:
             k = k.repeat_interleave(HEADS // self.kv_heads, dim=1)
             v = v.repeat_interleave(HEADS // self.kv_heads, dim=1)
         y = self.attend(q, k, v, self, h).transpose(1, 2).reshape(b, t, DIM)

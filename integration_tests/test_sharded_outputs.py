@@ -8,11 +8,14 @@ from harness import run_spmd
 from sharded_outputs_workers import SEQ, reference, run
 
 
-@pytest.mark.parametrize(("variant", "world"), [("ulysses", 2), ("ring", 2), ("ring", 4)])
-def test_logits_as_dtensor(variant: str, world: int) -> None:
+@pytest.mark.parametrize(
+    ("variant", "world", "backend"),
+    [("ulysses", 2, "aot_eager"), ("ring", 2, "aot_eager"), ("ring", 4, "aot_eager"), ("ulysses", 2, "inductor")],
+)
+def test_logits_as_dtensor(variant: str, world: int, backend: str) -> None:
     ref = reference()
-    for rank, got in enumerate(run_spmd(run, world, variant, "aot_eager")):
-        where = f"{variant} P={world} rank {rank}"
+    for rank, got in enumerate(run_spmd(run, world, variant, backend)):
+        where = f"{variant} P={world} {backend} rank {rank}"
         assert got["dtensor"] and got["placements"] == ["S(1)"], (where, got["placements"])
         assert got["local_shape"] == (2, SEQ // world, ref["logits"].shape[-1]), where
         assert not got["loss_is_dtensor"], where  # a loss is whole, as ever

@@ -68,6 +68,7 @@ def test_two_ranks_ring():
         ("gpt2", "none", 4, True): (2, REWRITTEN),
         ("sdpa", "between", 2, False): (2, None),
         ("cross", "none", 4, False): (4, "cross-attention"),
+        ("sdpa_padded", "none", 2, True): (2, None),  # a [B, 1, 1, S] mask, spelled out for the tiles
     }
     check(2, "aot_eager", "ring", list(expect), expect=expect)
 

@@ -27,7 +27,7 @@ SLIDING_WINDOW = "sliding_window"
 
 SUPPORTED = (
     "ring attention supports F.scaled_dot_product_attention (is_causal, and an attn_mask of shape "
-    "[B or 1, H or 1, S, S] or [S, S], boolean or additive), "
+    "[B or 1, H or 1, S or 1, S or 1] or [S, S], boolean or additive), "
     f"and plugin ops registered as {SLIDING_WINDOW!r} attention (causal sliding window, e.g. autosp-window's "
     "autosp_window.sliding_window_attention)"
 )
@@ -55,7 +55,7 @@ def _tileable(site: AttentionSite) -> bool:
     if len(shape) != 4:
         return False
     b, h, s, sk = shape
-    return s == site.seq_len and sk == site.kv_seq_len and b in (1, site.batch) and h in (1, site.heads)
+    return s in (1, site.seq_len) and sk in (1, site.kv_seq_len) and b in (1, site.batch) and h in (1, site.heads)
 
 
 @dataclass
@@ -137,6 +137,8 @@ def whole_mask(ctx: SPContext, site: AttentionSite, call: Call) -> torch.Tensor 
         mask = to_replicate(ctx, mask).local
     if mask.dim() == 2:
         mask = mask[None, None]
+    # A mask broadcast over queries or keys ([B, 1, 1, S] padding) is spelled out: tiles slice both axes.
+    mask = mask.expand(mask.shape[0], mask.shape[1], site.seq_len, site.kv_seq_len)
     if mask.dtype != torch.bool and mask.dtype != torch.float32:
         mask = mask.float()
     return mask.contiguous()
