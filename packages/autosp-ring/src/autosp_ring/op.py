@@ -131,11 +131,10 @@ def ring_attention(
         kj, vj = _unpack(buf, (k, v))
         for qo, ql, qs in segments(c, chunk, world, zigzag):
             for ko, kl, ks in segments(j, chunk, world, zigzag):
-                tile = _tile(mask, qo, ql, ko, kl)
-                if not block_needed(qo, ql, ko, kl, is_causal, window) or not tile_needed(tile):
+                needed, bmask = _block(mask, qo, ql, ko, kl, is_causal, window, q.device)
+                if not needed:
                     BLOCK_COUNTS["forward", "skipped"] += 1
                     continue
-                bmask = tile_mask(block_mask(qo, ql, ko, kl, is_causal, window, q.device), tile)
                 rows = slice(qs, qs + ql)
                 o, block_lse = kernel.forward(
                     q[:, :, rows], kj[:, :, ks : ks + kl], vj[:, :, ks : ks + kl], scale, bmask
@@ -192,11 +191,10 @@ def ring_attention_backward(
         dk_acc, dv_acc = _unpack(grads, (k, v))
         for qo, ql, qs in segments(c, chunk, world, zigzag):
             for ko, kl, ks in segments(j, chunk, world, zigzag):
-                tile = _tile(mask, qo, ql, ko, kl)
-                if not block_needed(qo, ql, ko, kl, is_causal, window) or not tile_needed(tile):
+                needed, bmask = _block(mask, qo, ql, ko, kl, is_causal, window, q.device)
+                if not needed:
                     BLOCK_COUNTS["backward", "skipped"] += 1
                     continue
-                bmask = tile_mask(block_mask(qo, ql, ko, kl, is_causal, window, q.device), tile)
                 rows, cols = slice(qs, qs + ql), slice(ks, ks + kl)
                 dq_b, dk_b, dv_b, *ds = block_backward(
                     q[:, :, rows],
@@ -235,9 +233,17 @@ def _(dout, q, k, v, out, lse, is_causal, scale, window, zigzag, group_name, mas
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dm
 
 
-def _tile(mask: Tensor | None, qo: int, ql: int, ko: int, kl: int) -> Tensor | None:
-    """The model mask's entries for global query rows [qo, qo+ql) and key columns [ko, ko+kl)."""
-    return None if mask is None else mask[:, :, qo : qo + ql, ko : ko + kl]
+def _block(
+    mask: Tensor | None, qo: int, ql: int, ko: int, kl: int, is_causal: bool, window: int, device: torch.device
+) -> tuple[bool, Tensor | None]:
+    """Whether block (query rows [qo, qo+ql), keys [ko, ko+kl)) has a pair left, and its mask.
+
+    The mask joins the causal/window pattern with the model mask's tile at those global positions.
+    """
+    tile = None if mask is None else mask[:, :, qo : qo + ql, ko : ko + kl]
+    if not block_needed(qo, ql, ko, kl, is_causal, window) or not tile_needed(tile):
+        return False, None
+    return True, tile_mask(block_mask(qo, ql, ko, kl, is_causal, window, device), tile)
 
 
 def _unbroadcast(grad: Tensor, shape: torch.Size) -> Tensor:

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from autosp.analysis.attention import AttentionSite
+from autosp.analysis.users import live_users
 from autosp.lowering import SDPA as SDPA_SPEC
 
 aten = torch.ops.aten
@@ -77,13 +78,8 @@ def _shape(node: Any) -> tuple:
     return tuple(v.shape) if isinstance(v, torch.Tensor) else ()
 
 
-def _live_users(node: torch.fx.Node) -> list[torch.fx.Node]:
-    # make_fx leaves a dead ``detach`` of the softmax for autograd's bookkeeping.
-    return [u for u in node.users if not (u.target is aten.detach.default and not u.users)]
-
-
 def _only_user(node: torch.fx.Node) -> torch.fx.Node | None:
-    users = _live_users(node)
+    users = live_users(node)
     return users[0] if len(users) == 1 else None
 
 
@@ -245,7 +241,7 @@ def _forward_to_bmm(node: torch.fx.Node, path: list[torch.fx.Node]) -> tuple[tor
     """The ``bmm`` that multiplies the weights (``node`` after casts, dropout, broadcast) with v, and the path."""
     if len(path) > 8:
         return None
-    for user in _live_users(node):
+    for user in live_users(node):
         if user.target is aten.bmm.default and user.args[0] is node:
             return user, [*path, node]
         if user.target in _TO_WEIGHTS and not (user.target is operator.getitem and user.args[1] != 0):
@@ -290,11 +286,11 @@ def _region_at(sm: torch.fx.Node) -> EagerRegion | None:
 def _judge(region: EagerRegion, scores: torch.fx.Node) -> None:
     """Fill ``scale``, or ``why_not`` when SDPA would compute something else."""
     for node in [scores, *region.score_ops]:
-        if len(_live_users(node)) != 1:
+        if len(live_users(node)) != 1:
             region.why_not = f"{node.name}: the attention scores are used outside the attention"
             return
     for node in region.weights:
-        if len(_live_users(node)) != 1:
+        if len(live_users(node)) != 1:
             region.why_not = "the attention weights are used outside the attention (output_attentions?)"
             return
     roots = {region.q, region.k, region.v}

@@ -27,6 +27,7 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
+from autosp.analysis.users import live_users
 from autosp.context import CompileContext
 from autosp.linear_cross_entropy import OP, Step, format_epilogue, loss_dtype
 from autosp.lowering import lower_to_aten
@@ -47,11 +48,6 @@ INDEX_OPS = frozenset(
     }
 )
 LOSS_NAMES = ("cross_entropy", "nll_loss")
-
-
-def _live_users(node: fx.Node) -> list[fx.Node]:
-    # make_fx leaves unused ``detach`` nodes behind log_softmax; they hold nothing.
-    return [u for u in node.users if not (u.target is aten.detach.default and not u.users)]
 
 
 def _val(node: Any) -> Any:
@@ -102,13 +98,13 @@ def _match(nll: fx.Node) -> _Match | str:
     z, dim, half_to_float = lsm.args
     if half_to_float or _val(z).dim() != 2 or dim not in (1, -1) or _val(target).dim() != 1:
         return "not a [tokens, vocab] loss"
-    if _live_users(lsm) != [nll]:
+    if live_users(lsm) != [nll]:
         return "the log-probabilities are used beyond the loss (label smoothing, z-loss, an output)"
     chain: list[fx.Node] = []
     steps: list[Step] = []
     cur, nxt = z, lsm
     while True:
-        if _live_users(cur) != [nxt]:
+        if live_users(cur) != [nxt]:
             return (
                 f"the logits ({cur.name}) are used elsewhere (returned or read by another op), so they are live anyway"
             )
