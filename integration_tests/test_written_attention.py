@@ -89,8 +89,12 @@ def test_four_ranks_ulysses():
 
 
 @pytest.mark.parametrize(
-    ("variant", "case"),
-    [("ulysses", ("hf_eager", "checkpoint", 2, False)), ("ring", ("sdpa", "before_head", 2, False))],
+    ("variant", "cases"),
+    [
+        ("ulysses", [("hf_eager", "checkpoint", 2, False), ("cross", "none", 4, False)]),
+        # Ring's tiles of a model-built mask (nanoGPT's tril buffer, as SDPA's attn_mask) under Inductor.
+        ("ring", [("sdpa", "before_head", 2, False), ("nano", "none", 4, False)]),
+    ],
 )
-def test_two_ranks_inductor(variant, case):
-    check(2, "inductor", variant, [case])
+def test_two_ranks_inductor(variant, cases):
+    check(2, "inductor", variant, cases)
