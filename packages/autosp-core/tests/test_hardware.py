@@ -166,3 +166,22 @@ def test_report_names_the_profile_and_its_source(tmp_path):
     text = autosp.explain(_Attn(), torch.randn(1, 8, 8), sp_size=1, hardware=str(path))
     assert f"hardware profile: measured-box (from {path}; autosp-profile)" in text
     assert "hardware profile: cpu (detected for cpu" in autosp.explain(_Attn(), torch.randn(1, 8, 8), sp_size=1)
+
+
+def test_cpu_memory_is_shared_by_the_ranks_on_the_host(monkeypatch):
+    """Every rank on a host draws on one RAM: memory-driven choices must see 1/n of it, GPUs keep theirs."""
+    from autosp.hardware import builtin_profile
+    from autosp.hardware_select import per_rank_share, ranks_on_host
+
+    cpu = builtin_profile("cpu")
+    assert cpu.memory_bytes > 0
+    shared, why = per_rank_share(cpu, 4, "cpu (detected)")
+    assert shared.memory_bytes == cpu.memory_bytes // 4
+    assert shared.matmul_flops == cpu.matmul_flops and "shared by 4 ranks" in why
+    assert per_rank_share(cpu, 1, "x")[0] is cpu
+    gpu = builtin_profile("h100-80gb")
+    assert per_rank_share(gpu, 8, "x")[0] is gpu
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    assert ranks_on_host() == 3
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert ranks_on_host() == 1  # no process group here: this process alone
