@@ -98,3 +98,8 @@ def test_four_ranks_ulysses():
 )
 def test_two_ranks_inductor(variant, cases):
     check(2, "inductor", variant, cases)
+
+
+def test_four_ranks_inductor():
+    # Written-out attention rewritten to SDPA, with GPT-2's padding mask, at P=4 under Inductor too.
+    check(4, "inductor", "ulysses", [("gpt2", "none", 4, True)])
