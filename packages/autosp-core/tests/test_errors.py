@@ -35,6 +35,32 @@ def test_vmap_in_the_graph_is_refused_before_lowering(monkeypatch):
     torch._dynamo.reset()
 
 
+def test_flex_attention_is_refused_at_the_users_line(monkeypatch):
+    # The message must point at the model's call, not at torch's flex_attention wrapper.
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from autosp.compiler import make_context
+    from autosp.passes.core import find_attention
+
+    monkeypatch.setattr("autosp.compiler.dist.get_rank", lambda group=None: 0)
+
+    def backend(gm, example_inputs):
+        find_attention(gm, make_context(gm, example_inputs, SPOptions(), get_registry(), None, 2))
+        return gm.forward
+
+    mask = create_block_mask(lambda b, h, q, k: k <= q, None, None, 16, 16, device="cpu", BLOCK_SIZE=16)
+
+    def program(q):
+        return flex_attention(q, q, q, block_mask=mask).sum()  # the line the message must name
+
+    torch._dynamo.reset()
+    with torch.no_grad(), pytest.raises(AutoSPError, match=r"FlexAttention .*not supported") as err:
+        torch.compile(program, backend=backend, fullgraph=True)(torch.randn(1, 2, 16, 8))
+    torch._dynamo.reset()
+    assert "test_errors.py" in str(err.value) and "flex_attention.py" not in str(err.value)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "pattern"),
     [

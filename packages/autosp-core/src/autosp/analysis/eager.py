@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from autosp.analysis.attention import AttentionSite
+from autosp.analysis.source import user_line
 from autosp.analysis.users import live_users
 from autosp.lowering import SDPA as SDPA_SPEC
 
@@ -63,10 +64,8 @@ class EagerRegion:
 
     @property
     def line(self) -> str:
-        """Where the model computes it: the last ``File ..., line ...`` of the softmax's stack trace."""
-        trace = self.softmax.meta.get("stack_trace") or ""
-        lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip().startswith("File")]
-        return lines[-1] if lines else self.softmax.name
+        """Where the model computes it: the softmax's innermost source line outside torch."""
+        return user_line(self.softmax) or self.softmax.name
 
 
 def _val(node: Any) -> Any:

@@ -8,6 +8,7 @@ import torch
 
 from autosp.analysis.attention import find_attention_sites, hint
 from autosp.analysis.eager import EagerRegion, find_eager_regions, region_site, rewrite_region
+from autosp.analysis.source import user_line
 from autosp.context import CompileContext
 from autosp.errors import AutoSPError
 from autosp.lowering import SDPA, insert_leaves, leaves_for_kernels, lower_to_aten
@@ -88,8 +89,7 @@ def _refuse_unsupported(gm: torch.fx.GraphModule) -> None:
             what = _unsupported(node) if node.op == "call_function" else None
             if what is None:
                 continue
-            trace = [ln.strip() for ln in (node.meta.get("stack_trace") or "").splitlines() if ln.strip()]
-            where = next((ln for ln in reversed(trace) if ln.startswith("File")), "")
+            where = user_line(node)
             raise AutoSPError(
                 f"{what} is not supported with sp_size > 1 yet" + (f" ({where})" if where else "") + "; for "
                 "attention, call F.scaled_dot_product_attention with the boolean mask your mask_mod describes "
