@@ -44,6 +44,7 @@ def find_attention(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
             ctx.report.notes.append(f"attention analysis skipped: {e}")
         return
     _refuse_unsupported(gm)
+    _note_whole_attention(gm, ctx)
     # Attention written out by hand is found after lowering (``autosp.lower``), where it is canonical.
     ctx.sites = find_attention_sites(gm, _specs(ctx))
     ctx.report.sites = list(ctx.sites)
@@ -73,8 +74,6 @@ def _site_lengths(sites: list) -> list[int | torch.SymInt]:
 
 def _unsupported(node: torch.fx.Node) -> str | None:
     """What AutoSP cannot lower under SP, named for the user, or None."""
-    if node.target is getattr(torch.ops.higher_order, "flex_attention", None):
-        return "FlexAttention (torch.nn.attention.flex_attention)"
     if getattr(node.target, "__name__", "") == "_vmap_increment_nesting":
         return "torch.func.vmap (FlexAttention's create_block_mask uses it)"
     return None
@@ -91,10 +90,26 @@ def _refuse_unsupported(gm: torch.fx.GraphModule) -> None:
                 continue
             where = user_line(node)
             raise AutoSPError(
-                f"{what} is not supported with sp_size > 1 yet" + (f" ({where})" if where else "") + "; for "
-                "attention, call F.scaled_dot_product_attention with the boolean mask your mask_mod describes "
-                "(Ulysses and ring both take it, and ring skips the tiles it masks out), or compile with sp_size=1"
+                f"{what} is not supported with sp_size > 1 yet" + (f" ({where})" if where else "") + "; build "
+                "FlexAttention's block mask outside the compiled function (create_block_mask once, pass it in), "
+                "or call F.scaled_dot_product_attention with the boolean mask your mask_mod describes (Ulysses "
+                "and ring both take it, and ring skips the tiles it masks out), or compile with sp_size=1"
             )
+
+
+def _note_whole_attention(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
+    """Say where attention runs whole: no variant rewrites FlexAttention yet, so the engine's
+    default for an op without a rule takes it (q, k and v gathered; exact, no memory saving)."""
+    flex = getattr(torch.ops.higher_order, "flex_attention", None)
+    for module in gm.modules():
+        for node in module.graph.nodes if isinstance(module, torch.fx.GraphModule) else ():
+            if node.op == "call_function" and node.target is flex:
+                where = user_line(node) or node.name
+                ctx.report.notes.append(
+                    f"FlexAttention ({where}): computed whole on every rank, q, k and v gathered (exact, but "
+                    "no sequence-parallel memory saving for it); F.scaled_dot_product_attention with a boolean "
+                    "mask is rewritten by every variant"
+                )
 
 
 def _settle_sequence(ctx: CompileContext, lengths: list, written_out: list[EagerRegion]) -> None:
