@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from collections import Counter
 
 import torch
 import torch.nn.functional as F
@@ -69,5 +70,5 @@ def run(rank: int, world: int, variant: str, seq: int) -> dict:
         compiled = autosp.compile(model, sp_size=world, backend="aot_eager", variant=variant)
         loss = compiled(*args)
     notes = [n for r in compiled.autosp_reports for n in r.notes]
-    collectives = sum((r.collectives for r in compiled.autosp_reports), start=__import__("collections").Counter())
+    collectives = sum((r.collectives for r in compiled.autosp_reports), start=Counter())
     return {"loss": loss, "reference": reference, "notes": notes, "shard_start": collectives["shard_start"]}
