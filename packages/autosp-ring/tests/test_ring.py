@@ -115,9 +115,14 @@ def test_heads_not_divisible_by_sp_size(two, four):
 
 def test_hybrid_exchanges_heads_and_rings_across(four):
     r = four[0]["llama/hybrid"]
-    # q, k, v in and the output back over the ulysses group, per layer; k/v carry the 2 kv heads.
-    assert r["collectives"]["all_to_all"] == 4 * r["sites"], r["collectives"]
+    # Per layer: q, k and v in one all-to-all over the ulysses group (k/v carry the 2 kv heads), the
+    # output back in another.
+    assert r["collectives"]["all_to_all"] == 2 * r["sites"], r["collectives"]
     assert any("ulysses_degree=2 x ring_degree=2" in n for n in r["notes"]), r["notes"]
+    # One kv head for two ranks cannot split: q crosses alone, k and v are gathered.
+    r = four[0]["llama-mqa/hybrid"]
+    assert r["collectives"]["all_to_all"] == 2 * r["sites"], r["collectives"]
+    assert r["collectives"]["all_gather"] == 2 * r["sites"], r["collectives"]
 
 
 def test_hybrid_subgroups_keep_the_sp_groups_timeout(four):

@@ -129,16 +129,20 @@ class BlockKernel:
 
 
 REFERENCE_KERNEL = BlockKernel("fp32 reference", block_forward)
-_active = REFERENCE_KERNEL  # per process, like the device: which kernel runs here
+# The default: each block on the fused kernel ``autosp_ring.kernels`` picks (forward and backward),
+# fp32 math where none can.  Any other kernel set here computes forward blocks only, with the fp32
+# backward; REFERENCE_KERNEL makes every block fp32 math (the ring before fused kernels).
+FUSED_KERNEL = BlockKernel("fused when available", block_forward)
+_active = FUSED_KERNEL  # per process, like the device: which kernel runs here
 
 
 def block_kernel() -> BlockKernel:
-    """The kernel the ring op computes forward blocks with (the fp32 reference unless one is set)."""
+    """The kernel the ring op computes blocks with (FUSED_KERNEL unless one is set)."""
     return _active
 
 
 def set_block_kernel(kernel: BlockKernel) -> BlockKernel:
-    """Compute forward blocks with ``kernel`` in this process; returns the previous one."""
+    """Compute blocks with ``kernel`` in this process; returns the previous one."""
     global _active
     previous, _active = _active, kernel
     return previous
@@ -188,6 +192,7 @@ def default_scale(head_dim: int) -> float:
 
 
 __all__ = [
+    "FUSED_KERNEL",
     "REFERENCE_KERNEL",
     "BlockKernel",
     "block_kernel",

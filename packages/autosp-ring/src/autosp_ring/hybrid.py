@@ -102,6 +102,35 @@ def _kv_for_heads(x: torch.Tensor, heads: int, g: Groups, rank_u: int) -> torch.
     return full[:, idx]  # uneven: repeat exactly the heads needed
 
 
+def _fusable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, u: int) -> bool:
+    """Whether q, k and v can cross the ulysses group in one all-to-all: all but the head axis alike."""
+    rest = q.shape[:1] + q.shape[2:]
+    return (
+        q.dtype == k.dtype == v.dtype
+        and q.device == k.device == v.device
+        and k.shape[1] % u == 0
+        and all(x.shape[:1] + x.shape[2:] == rest for x in (k, v))
+    )
+
+
+def qkv_to_heads(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, g: Groups, rank_u: int
+) -> tuple[torch.Tensor, ...]:
+    """q, k, v ([B, H*, S/P, D]) as this rank's heads over the ulysses span, in one all-to-all when they can.
+
+    Each tensor's heads split into U per-rank blocks, laid side by side per rank, so the r-th slice of
+    the exchange holds rank r's heads of all three (Ulysses' ``to_heads_fused``): one collective for
+    three, forward and backward, with the same bytes.  Else separate exchanges (kv heads fewer than
+    U gather instead).
+    """
+    u = g.degree
+    if not _fusable(q, k, v, u):
+        return C.all_to_all(q, 1, 2, g.ulysses), _kv_for_heads(k, heads, g, rank_u), _kv_for_heads(v, heads, g, rank_u)
+    sizes = [x.shape[1] // u for x in (q, k, v)]
+    packed = torch.cat([x.unflatten(1, (u, n)) for x, n in zip((q, k, v), sizes)], 2).flatten(1, 2)
+    return tuple(C.all_to_all(packed.contiguous(), 1, 2, g.ulysses).split(sizes, 1))
+
+
 def hybrid_attention_rule(
     ctx: SPContext, node: torch.fx.Node, site: AttentionSite, args: tuple, kwargs: dict
 ) -> SPValue:
@@ -110,9 +139,7 @@ def hybrid_attention_rule(
     q, k, v = seq_chunks(ctx, site, call)
     rank_u = ctx.rank % g.degree
     ctx.note("all_to_all")
-    qh = C.all_to_all(q, 1, 2, g.ulysses)
-    kh = _kv_for_heads(k, site.heads, g, rank_u)
-    vh = _kv_for_heads(v, site.heads, g, rank_u)
+    qh, kh, vh = qkv_to_heads(q, k, v, site.heads, g, rank_u)
     mask = whole_mask(ctx, site, call)
     if mask is not None and mask.shape[1] > 1:
         per = site.heads // g.degree
@@ -123,4 +150,4 @@ def hybrid_attention_rule(
     return SPValue(from_bhsd(site, back), Shard(SeqAxis(sdim, length), ctx.even_ranges(length)), node.meta["val"])
 
 
-__all__ = ["Groups", "hybrid_attention_rule", "make_groups", "ulysses_degree"]
+__all__ = ["Groups", "hybrid_attention_rule", "make_groups", "qkv_to_heads", "ulysses_degree"]

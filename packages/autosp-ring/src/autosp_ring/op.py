@@ -7,6 +7,15 @@ into fp32 (out, lse).  The backward makes the same trip: k/v travel again with
 fp32 dk/dv accumulators, which end up back at their owner.  Every rank keeps
 O(S/P) activations: its q, k, v, out and lse.
 
+Each block runs on a fused attention kernel (``autosp_ring.kernels``: CPU flash, CUDA flash or
+memory-efficient) that returns its lse and never holds the block's [Lq, Lk] scores; its backward is
+the kernel's own, called with the final merged (out, lse).  A diagonal causal block runs with the
+kernel's ``is_causal``, a fully allowed one without mask, a partial one (sliding window, the model's
+mask, zigzag pieces) with an additive mask tile; fully masked blocks are skipped.  The fp32 math of
+``autosp_ring.blocks`` (O(Lq*Lk) scores per block) computes what no kernel can: dtypes and devices
+without a kernel, a kernel that fails its one-time check against that math, and the whole backward
+when the model's mask needs a gradient (a learned bias: the kernels give none for the mask).
+
 The op is opaque to make_fx/AOT autograd (``custom_op``), so its P2P traffic is
 never traced; all ranks run the same number of steps, so every send has its receive.
 """
@@ -21,19 +30,23 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+from autosp_ring import kernels
 from autosp_ring.blocks import (
+    FUSED_KERNEL,
+    allowed_pairs,
     block_backward,
     block_kernel,
     block_mask,
-    block_needed,
     merge,
     natural_lse,
     tile_mask,
     tile_needed,
 )
+from autosp_ring.kernels import Tile
 
 # Blocks computed by this process: ("forward"|"backward", "computed"|"skipped") -> count. Lets
-# callers measure causal imbalance (rank 0 skips most blocks, the last rank none).
+# callers measure causal imbalance (rank 0 skips most blocks, the last rank none).  Also
+# ("forward"|"backward", kernel name) -> blocks that kernel computed ("fp32 math" for the fallback).
 BLOCK_COUNTS: Counter = Counter()
 
 _KV_TAG, _GRAD_TAG = 0, 1
@@ -131,17 +144,21 @@ def ring_attention(
         kj, vj = _unpack(buf, (k, v))
         for qo, ql, qs in segments(c, chunk, world, zigzag):
             for ko, kl, ks in segments(j, chunk, world, zigzag):
-                needed, bmask = _block(mask, qo, ql, ko, kl, is_causal, window, q.device)
-                if not needed:
+                tile = _block(mask, qo, ql, ko, kl, is_causal, window, q.device)
+                if tile is None:
                     BLOCK_COUNTS["forward", "skipped"] += 1
                     continue
                 rows = slice(qs, qs + ql)
-                o, block_lse = kernel.forward(
-                    q[:, :, rows], kj[:, :, ks : ks + kl], vj[:, :, ks : ks + kl], scale, bmask
-                )
-                block_lse = natural_lse(block_lse.float(), kernel.lse_base)
+                qb, kb, vb = _pieces(q, kj, vj, rows, slice(ks, ks + kl))
+                fused = kernels.choose(qb, kb, tile.mask is not None) if kernel is FUSED_KERNEL else None
+                if fused is not None:
+                    o, block_lse = kernels.forward(fused, qb, kb, vb, scale, tile)
+                else:
+                    o, block_lse = kernel.forward(qb, kb, vb, scale, tile.dense(ql, q.device))
+                    block_lse = natural_lse(block_lse.float(), kernel.lse_base)
                 out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], o.float(), block_lse)
                 BLOCK_COUNTS["forward", "computed"] += 1
+                BLOCK_COUNTS["forward", _name(fused, kernel)] += 1
         if pending is not None:
             buf = ring.finish(pending)
     return out.to(q.dtype), lse
@@ -179,6 +196,9 @@ def ring_attention_backward(
     chunk, c, world = q.shape[2], ring.rank, ring.world
     dout32 = dout.float()
     delta = (dout32 * out.float()).sum(-1)
+    dout, out = dout.to(q.dtype), out.to(q.dtype)
+    # The kernels give no gradient for the mask: a mask that needs one takes fp32 math throughout.
+    fused_ok = block_kernel() is FUSED_KERNEL and not mask_grad
     dq = torch.zeros_like(q, dtype=torch.float32)
     buf = _pack(k, v)
     grads = torch.zeros(buf.numel(), dtype=torch.float32, device=q.device)
@@ -191,28 +211,44 @@ def ring_attention_backward(
         dk_acc, dv_acc = _unpack(grads, (k, v))
         for qo, ql, qs in segments(c, chunk, world, zigzag):
             for ko, kl, ks in segments(j, chunk, world, zigzag):
-                needed, bmask = _block(mask, qo, ql, ko, kl, is_causal, window, q.device)
-                if not needed:
+                tile = _block(mask, qo, ql, ko, kl, is_causal, window, q.device)
+                if tile is None:
                     BLOCK_COUNTS["backward", "skipped"] += 1
                     continue
                 rows, cols = slice(qs, qs + ql), slice(ks, ks + kl)
-                dq_b, dk_b, dv_b, *ds = block_backward(
-                    q[:, :, rows],
-                    kj[:, :, cols],
-                    vj[:, :, cols],
-                    dout32[:, :, rows],
-                    lse[:, :, rows],
-                    delta[:, :, rows],
-                    scale,
-                    bmask,
-                    return_ds=dmask is not None,
-                )
-                if dmask is not None:
-                    dmask[:, :, qo : qo + ql, ko : ko + kl] += _unbroadcast(ds[0], dmask.shape)
+                qb, kb, vb = _pieces(q, kj, vj, rows, cols)
+                fused = kernels.choose(qb, kb, tile.mask is not None) if fused_ok else None
+                if fused is not None:
+                    dq_b, dk_b, dv_b = kernels.backward(
+                        fused,
+                        dout[:, :, rows].contiguous(),
+                        qb,
+                        kb,
+                        vb,
+                        out[:, :, rows].contiguous(),
+                        lse[:, :, rows].contiguous(),
+                        scale,
+                        tile,
+                    )
+                else:
+                    dq_b, dk_b, dv_b, *ds = block_backward(
+                        qb,
+                        kb,
+                        vb,
+                        dout32[:, :, rows],
+                        lse[:, :, rows],
+                        delta[:, :, rows],
+                        scale,
+                        tile.dense(ql, q.device),
+                        return_ds=dmask is not None,
+                    )
+                    if dmask is not None:
+                        dmask[:, :, qo : qo + ql, ko : ko + kl] += _unbroadcast(ds[0], dmask.shape)
                 dq[:, :, rows] += dq_b
                 dk_acc[:, :, cols] += dk_b
                 dv_acc[:, :, cols] += dv_b
                 BLOCK_COUNTS["backward", "computed"] += 1
+                BLOCK_COUNTS["backward", _name(fused, None)] += 1
         if pending_kv is not None:
             # The accumulator of chunk j follows chunk j around the ring.
             grads = ring.finish(ring.start(grads, 1, _GRAD_TAG))
@@ -235,15 +271,32 @@ def _(dout, q, k, v, out, lse, is_causal, scale, window, zigzag, group_name, mas
 
 def _block(
     mask: Tensor | None, qo: int, ql: int, ko: int, kl: int, is_causal: bool, window: int, device: torch.device
-) -> tuple[bool, Tensor | None]:
-    """Whether block (query rows [qo, qo+ql), keys [ko, ko+kl)) has a pair left, and its mask.
+) -> Tile | None:
+    """How block (query rows [qo, qo+ql), keys [ko, ko+kl)) is masked; None when no pair is left.
 
-    The mask joins the causal/window pattern with the model mask's tile at those global positions.
+    A mask tile joins the causal/window pattern with the model mask's tile at those global positions;
+    a block the pattern leaves whole takes none, a diagonal one the kernel's own causal masking.
     """
     tile = None if mask is None else mask[:, :, qo : qo + ql, ko : ko + kl]
-    if not block_needed(qo, ql, ko, kl, is_causal, window) or not tile_needed(tile):
-        return False, None
-    return True, tile_mask(block_mask(qo, ql, ko, kl, is_causal, window, device), tile)
+    pairs = allowed_pairs(qo, ql, ko, kl, is_causal, window)
+    if pairs == 0 or not tile_needed(tile):
+        return None
+    if pairs == ql * kl:
+        return Tile(mask=tile)
+    if tile is None and qo == ko and ql == kl and pairs == ql * (ql + 1) // 2:
+        return Tile(causal=True)  # the window, if any, reaches past the block: plain causal
+    return Tile(mask=tile_mask(block_mask(qo, ql, ko, kl, is_causal, window, device), tile))
+
+
+def _pieces(q: Tensor, k: Tensor, v: Tensor, rows: slice, cols: slice) -> tuple[Tensor, Tensor, Tensor]:
+    # Zigzag pieces are strided views; copies cost O(L*D), nothing next to a block's O(L*L*D).
+    return q[:, :, rows].contiguous(), k[:, :, cols].contiguous(), v[:, :, cols].contiguous()
+
+
+def _name(fused: kernels.FusedKernel | None, kernel: Any) -> str:
+    if fused is not None:
+        return fused.name
+    return "fp32 math" if kernel is None or kernel is FUSED_KERNEL else kernel.name
 
 
 def _unbroadcast(grad: Tensor, shape: torch.Size) -> Tensor:
