@@ -25,3 +25,13 @@ def test_heads_must_divide_sp_size_with_a_pointer_to_ring():
     ULYSSES.check(_site(8, 2), 4)  # 2 kv heads on 4 ranks are replicated, not an error
     with pytest.raises(AutoSPError, match=r"6 query heads, not divisible by sp_size=4.*variant='ring'"):
         ULYSSES.check(_site(6, 2), 4)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
+def test_ulysses_chunks_is_checked(bad):
+    from autosp import ConfigError
+    from autosp_ulysses.attention import chunk_option
+
+    assert chunk_option({}) == 1 and chunk_option({"ulysses_chunks": 3}) == 3
+    with pytest.raises(ConfigError, match=r"ulysses_chunks=.*use an int >= 1"):
+        chunk_option({"ulysses_chunks": bad})

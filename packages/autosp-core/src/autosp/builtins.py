@@ -6,6 +6,7 @@ from autosp.hardware import BUILTIN_PROFILES
 from autosp.hookspecs import hookimpl
 from autosp.passes.choose_variant import CHOOSE_VARIANT
 from autosp.passes.core import PASSES
+from autosp.passes.overlap import OVERLAP, OVERLAP_BACKWARD
 
 
 @hookimpl
@@ -13,6 +14,8 @@ def autosp_register_passes(register):
     for p in PASSES:
         register(p)
     register(CHOOSE_VARIANT)
+    register(OVERLAP)
+    register(OVERLAP_BACKWARD)
 
 
 @hookimpl

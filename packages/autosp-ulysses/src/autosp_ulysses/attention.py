@@ -4,18 +4,24 @@ q, k and v arrive sharded on the sequence; an all-to-all gives each rank H/P
 whole-sequence heads, attention runs unchanged on them (causal flags and masks
 keep their meaning, since every rank sees the whole sequence), and the inverse
 all-to-all returns the output sharded on the sequence.
+
+With ``ulysses_chunks=n`` (a variant option, default 1) each rank's heads are processed in n
+groups as a pipeline: group c+1's q/k/v exchange is in flight while group c's attention runs,
+and group c's output exchange while group c+1's runs. Heads are independent, so the result is
+the same; it costs n times the collectives (each 1/n of the bytes).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from autosp.analysis.attention import AttentionSite
-from autosp.errors import AutoSPError
+from autosp.errors import AutoSPError, ConfigError
 from autosp.lowering import sdpa_args
 from autosp.sharding import collectives as C
 from autosp.sharding.context import SPContext, SPValue
@@ -59,31 +65,74 @@ def to_heads(ctx: SPContext, v: SPValue, hdim: int, sdim: int) -> torch.Tensor:
     return full.narrow(hdim, lo, hi - lo)
 
 
-def to_heads_fused(ctx: SPContext, values: list[SPValue], hdim: int, sdim: int) -> list[torch.Tensor] | None:
-    """Several tensors' heads in one all-to-all, or None when they cannot share one.
-
-    Each tensor's heads are split into P per-rank blocks and the blocks of all tensors are
-    laid side by side per rank, so the all-to-all's r-th slice holds exactly rank r's heads
-    of every tensor. One collective instead of three per layer, forward and backward (and
-    in SAC's recompute), with the same bytes.
-    """
+def _same_layout(ctx: SPContext, values: list[SPValue], hdim: int, sdim: int) -> bool:
     first = values[0].local
-    same = all(
+    return all(
         _exchangeable(ctx, v, hdim, sdim)
         and v.local.dtype == first.dtype
         and v.local.device == first.device
         and [n for d, n in enumerate(v.local.shape) if d != hdim] == [n for d, n in enumerate(first.shape) if d != hdim]
         for v in values
     )
-    if not same:
-        return None
+
+
+@dataclass
+class _Exchange:
+    """A fused head exchange in flight: which of the values it carries, and their head counts."""
+
+    buf: torch.Tensor
+    shape: list[Any]
+    carried: list[bool]
+    sizes: list[Any]
+
+
+def start_heads(
+    ctx: SPContext,
+    values: list[SPValue],
+    hdim: int,
+    sdim: int,
+    chunk: int = 0,
+    chunks: int = 1,
+    whole: list[bool] | None = None,
+) -> _Exchange:
+    """Start exchanging head group ``chunk`` of ``chunks`` of several tensors in one all-to-all.
+
+    Each tensor's heads are split into P per-rank blocks (and each block into ``chunks``
+    groups, of which group ``chunk`` is sent); the blocks of all tensors are laid side by side
+    per rank, so the all-to-all's r-th slice holds exactly rank r's heads of every tensor. One
+    collective instead of three per layer, forward and backward (and in SAC's recompute), with
+    the same bytes. A value marked ``whole`` travels with group 0 only, all its heads at once.
+    """
     P = ctx.world
-    heads = [v.local.shape[hdim] for v in values]
-    blocks = [v.local.unflatten(hdim, (P, h // P)) for v, h in zip(values, heads)]
-    packed = torch.cat(blocks, hdim + 1).flatten(hdim, hdim + 1)
+    whole = whole or [False] * len(values)
+    carried, sizes, blocks = [], [], []
+    for v, w in zip(values, whole):
+        heads = v.local.shape[hdim]
+        if w and chunk:
+            carried.append(False)
+            continue
+        groups = 1 if w else chunks
+        n = heads // (P * groups)
+        blocks.append(v.local.unflatten(hdim, (P, groups, n)).select(hdim + 1, 0 if w else chunk))
+        carried.append(True)
+        sizes.append(n)
+    packed = torch.cat(blocks, hdim + 1).flatten(hdim, hdim + 1).contiguous()
     ctx.note("all_to_all")
-    mine = C.all_to_all(packed.contiguous(), hdim, sdim, ctx.group_name)
-    return list(mine.split([h // P for h in heads], hdim))
+    buf = C.all_to_all_start(packed, hdim, sdim, ctx.group_name)
+    return _Exchange(buf, list(packed.shape), carried, sizes)
+
+
+def finish_heads(ctx: SPContext, ex: _Exchange, hdim: int, sdim: int) -> list[torch.Tensor | None]:
+    """This rank's heads of each value started by ``start_heads`` (None where not carried), over the whole sequence."""
+    mine = iter(C.all_to_all_wait(ex.buf, ex.shape, hdim, sdim, ctx.group_name).split(ex.sizes, hdim))
+    return [next(mine) if c else None for c in ex.carried]
+
+
+def to_heads_fused(ctx: SPContext, values: list[SPValue], hdim: int, sdim: int) -> list[torch.Tensor] | None:
+    """Several tensors' heads in one all-to-all, or None when they cannot share one."""
+    if not _same_layout(ctx, values, hdim, sdim):
+        return None
+    return [t for t in finish_heads(ctx, start_heads(ctx, values, hdim, sdim), hdim, sdim) if t is not None]
 
 
 def _repeat_heads(v: SPValue, hdim: int, r: int) -> SPValue:
@@ -111,16 +160,115 @@ def kv_heads(ctx: SPContext, v: SPValue, q_heads: int, hdim: int, sdim: int) -> 
     return _repeat_heads(v, hdim, r), kv * r != q_heads
 
 
-def _mask_heads(ctx: SPContext, mask: Any, heads: int, hdim: int) -> Any:
+def _mask_heads(ctx: SPContext, mask: Any, heads: int, hdim: int) -> tuple[Any, int | None]:
+    """This rank's part of the mask, and its head dim when it has one (else None)."""
     if not isinstance(mask, SPValue):
-        return mask
+        return mask, None
     full = gather(ctx, mask) if not isinstance(mask.placement, Replicate) else mask.local
     offset = mask.ndim - 4
     d = hdim + offset
     if d >= 0 and mask.gval.shape[d] == heads and heads > 1:
         lo, hi = _head_range(ctx, heads)
-        return full.narrow(d, lo, hi - lo)
-    return full
+        return full.narrow(d, lo, hi - lo), d
+    return full, None
+
+
+def chunk_option(options: dict[str, Any]) -> int:
+    """The ``ulysses_chunks`` variant option, checked."""
+    asked = options.get("ulysses_chunks", 1)
+    if isinstance(asked, bool) or not isinstance(asked, int) or asked < 1:
+        raise ConfigError(
+            f"ulysses_chunks={asked!r}; use an int >= 1: the head groups each rank pipelines per attention "
+            "(1: one exchange each way per layer)"
+        )
+    return asked
+
+
+def _plan_chunks(ctx: SPContext, a: dict | None, values: list[SPValue], hdim: int, sdim: int) -> tuple[int, list[bool]]:
+    """How many head groups to pipeline, and which of k/v travel whole with the first group.
+
+    Query heads split into the groups; k and v split with them when their heads per rank do,
+    else (GQA with fewer kv heads per rank than groups) they travel whole with group 0 and each
+    group takes the kv head its query heads share. Fewer groups than asked when the heads do
+    not split so; 1 for plugin attention ops (they may carry per-head arguments) and dropout.
+    """
+    asked = chunk_option(ctx.variant_options)
+    none = [False] * len(values)
+    if asked == 1 or a is None or a["dropout_p"] or not _same_layout(ctx, values, hdim, sdim):
+        return 1, none
+    q_heads = int(values[0].gval.shape[hdim])
+    per_rank = q_heads // ctx.world
+    for n in range(min(asked, per_rank), 1, -1):
+        if per_rank % n:
+            continue
+        whole = [(int(v.gval.shape[hdim]) // ctx.world) % n != 0 for v in values]
+        group = q_heads // int(values[1].gval.shape[hdim])  # query heads per kv head
+        if not any(whole) or group % (per_rank // n) == 0:
+            return n, whole
+    return 1, none
+
+
+def _sdpa(a: dict, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, gqa: bool) -> torch.Tensor:
+    return F.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        attn_mask=mask,
+        dropout_p=a["dropout_p"],
+        is_causal=a["is_causal"],
+        scale=a["scale"],
+        enable_gqa=a["enable_gqa"] or gqa,
+    )
+
+
+def _kv_for(kv: torch.Tensor, chunk: int, q_per_chunk: int, group: int, hdim: int) -> torch.Tensor:
+    """The one kv head (of this rank's, received whole) that query group ``chunk`` attends with."""
+    return kv.narrow(hdim, chunk * q_per_chunk // group, 1)
+
+
+def _pipelined(
+    ctx: SPContext,
+    a: dict,
+    values: list[SPValue],
+    mask: tuple[Any, int | None],
+    gqa: bool,
+    plan: tuple[int, list[bool]],
+    hdim: int,
+    sdim: int,
+) -> torch.Tensor:
+    """Attention over head groups, each group's exchanges in flight during another group's attention."""
+    chunks, whole = plan
+    q_heads = int(values[0].gval.shape[hdim])
+    q_per_chunk = q_heads // (ctx.world * chunks)
+    group = q_heads // int(values[1].gval.shape[hdim])
+    pending = start_heads(ctx, values, hdim, sdim, 0, chunks, whole)
+    kept: list[torch.Tensor | None] = [None] * len(values)
+    backs = []
+    for c in range(chunks):
+        current = pending
+        if c + 1 < chunks:
+            pending = start_heads(ctx, values, hdim, sdim, c + 1, chunks, whole)
+        got = finish_heads(ctx, current, hdim, sdim)
+        kept = [g if g is not None and w else k for g, w, k in zip(got, whole, kept)]
+        qkv: list[torch.Tensor] = []
+        for g, w, k in zip(got, whole, kept):
+            t = _kv_for(k, c, q_per_chunk, group, hdim) if w and k is not None else g
+            if t is None:  # every value is carried by each group or kept from group 0
+                raise AssertionError("ulysses: a head group lost one of q, k, v")
+            qkv.append(t)
+        ql, kl, vl = qkv
+        m, d = mask
+        if d is not None:
+            per = m.shape[d] // chunks
+            m = m.narrow(d, c * per, per)
+        out = _sdpa(a, ql, kl, vl, m, gqa or any(whole)).contiguous()
+        ctx.note("all_to_all")
+        backs.append((C.all_to_all_start(out, sdim, hdim, ctx.group_name), list(out.shape)))
+    # Group c of every rank comes back as [P, heads/(P*chunks)]; rank r's heads are its groups in order.
+    parts = [C.all_to_all_wait(buf, shape, sdim, hdim, ctx.group_name) for buf, shape in backs]
+    per = parts[0].shape[hdim] // ctx.world
+    stacked = torch.stack([p.unflatten(hdim, (ctx.world, per)) for p in parts], hdim + 1)
+    return stacked.flatten(hdim, hdim + 2)
 
 
 def ulysses_attention(ctx: SPContext, node: torch.fx.Node, site: AttentionSite, args: tuple, kwargs: dict) -> SPValue:
@@ -134,32 +282,38 @@ def ulysses_attention(ctx: SPContext, node: torch.fx.Node, site: AttentionSite, 
         a = None
     k, gqa_k = kv_heads(ctx, k, site.heads, hdim, sdim)
     v, gqa_v = kv_heads(ctx, v, site.heads, hdim, sdim)
+    length = site.seq_len
+    placement = Shard(SeqAxis(sdim, length), ctx.even_ranges(length))
+    plan = _plan_chunks(ctx, a, [q, k, v], hdim, sdim)
+    if a is not None and plan[0] > 1:
+        mask = _mask_heads(ctx, a["attn_mask"], site.heads, hdim)
+        out = _pipelined(ctx, a, [q, k, v], mask, gqa_k or gqa_v, plan, hdim, sdim)
+        return SPValue(out, placement, node.meta["val"])
     fused = to_heads_fused(ctx, [q, k, v], hdim, sdim)
     ql, kl, vl = fused if fused is not None else (to_heads(ctx, x, hdim, sdim) for x in (q, k, v))
     if a is not None:
-        mask = _mask_heads(ctx, a["attn_mask"], site.heads, hdim)
-        out = F.scaled_dot_product_attention(
-            ql,
-            kl,
-            vl,
-            attn_mask=mask,
-            dropout_p=a["dropout_p"],
-            is_causal=a["is_causal"],
-            scale=a["scale"],
-            enable_gqa=a["enable_gqa"] or gqa_k or gqa_v,
-        )
+        mask, _ = _mask_heads(ctx, a["attn_mask"], site.heads, hdim)
+        out = _sdpa(a, ql, kl, vl, mask, gqa_k or gqa_v)
     else:
         local = list(args)
         for i, t in zip(spec.qkv, (ql, kl, vl)):
             local[i] = t
         local = [x.local if isinstance(x, SPValue) else x for x in local]
         if isinstance(spec.mask, int) and isinstance(args[spec.mask], SPValue):
-            local[spec.mask] = _mask_heads(ctx, args[spec.mask], site.heads, hdim)
+            local[spec.mask] = _mask_heads(ctx, args[spec.mask], site.heads, hdim)[0]
         out = node.target(*local, **{k_: (x.local if isinstance(x, SPValue) else x) for k_, x in kwargs.items()})
     ctx.note("all_to_all")
     back = C.all_to_all(out.contiguous(), sdim, hdim, ctx.group_name)
-    length = site.seq_len
-    return SPValue(back, Shard(SeqAxis(sdim, length), ctx.even_ranges(length)), node.meta["val"])
+    return SPValue(back, placement, node.meta["val"])
 
 
-__all__ = ["check", "kv_heads", "to_heads", "ulysses_attention"]
+__all__ = [
+    "check",
+    "chunk_option",
+    "finish_heads",
+    "kv_heads",
+    "start_heads",
+    "to_heads",
+    "to_heads_fused",
+    "ulysses_attention",
+]

@@ -130,40 +130,102 @@ all_reduce.register_autograd(_all_reduce_backward, setup_context=_all_reduce_set
 
 
 # --- all_to_all: split ``scatter_dim`` over ranks, concatenate ``gather_dim`` ----------------
+#
+# One exchange is two ops, so that compute which does not need it can run while it is in flight
+# (``autosp.passes.overlap`` moves the wait down to the first use):
+#
+# * ``autosp::all_to_all`` starts it and returns the receive buffer, flat: its contents are
+#   undefined until the wait. The send side is this op's own copy, so a compiler may reuse the
+#   input's memory as soon as the start has run.
+# * ``autosp::wait_exchange`` waits (when the exchange is still pending) and lays the received
+#   blocks out as the result. On a buffer whose exchange is already complete (a wait recomputed in
+#   the backward on a buffer the forward saved) it only lays it out.
+#
+# The buffer is flat with the input's numel, the same for an exchange and its inverse, so the
+# backward of each op is the other op of the inverse exchange: the wait's backward starts the
+# inverse all-to-all of the incoming gradient, the start's backward waits for it. The backward is
+# thus a start/wait pair too, which the overlap pass places like the forward's.
+
+_PENDING: dict[int, tuple[Any, Tensor, Tensor]] = {}  # receive buffer address -> (work, recv, send)
+
+
+def _exchanged_shape(shape: list[Any], scatter_dim: int, gather_dim: int, world: int) -> list[Any]:
+    out = list(shape)
+    out[scatter_dim] = out[scatter_dim] // world
+    out[gather_dim] = out[gather_dim] * world
+    return out
 
 
 @torch.library.custom_op("autosp::all_to_all", mutates_args=())
-def all_to_all(x: Tensor, scatter_dim: int, gather_dim: int, group_name: str) -> Tensor:
+def all_to_all_start(x: Tensor, scatter_dim: int, gather_dim: int, group_name: str) -> Tensor:
     group = _group(group_name)
     world = dist.get_world_size(group)
     moved = x.movedim(scatter_dim, 0)
-    chunk = moved.shape[0] // world
-    send = moved.reshape(world, chunk, *moved.shape[1:]).contiguous()
+    send = x.new_empty((world, moved.shape[0] // world, *moved.shape[1:]))
+    send.copy_(moved.reshape(send.shape))
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
+    if recv.numel() == 0:
+        return recv.view(-1)
+    work = dist.all_to_all_single(recv, send, group=group, async_op=True)
+    # Both buffers stay referenced until the wait: gloo reads and writes them in the background.
+    _PENDING[recv.data_ptr()] = (work, recv, send)
+    return recv.view(-1)
+
+
+@all_to_all_start.register_fake
+def _(x, scatter_dim, gather_dim, group_name):
+    return x.new_empty((x.numel(),))
+
+
+@torch.library.custom_op("autosp::wait_exchange", mutates_args=())
+def all_to_all_wait(buf: Tensor, shape: list[int], scatter_dim: int, gather_dim: int, group_name: str) -> Tensor:
+    if buf.numel():
+        pending = _PENDING.pop(buf.data_ptr(), None)
+        if pending is not None:
+            pending[0].wait()
+    world = dist.get_world_size(_group(group_name))
+    rest = [n for d, n in enumerate(shape) if d != scatter_dim]
+    recv = buf.view(world, shape[scatter_dim] // world, *rest)
     pieces = [recv[r].movedim(0, scatter_dim) for r in range(world)]
     return torch.cat(pieces, dim=gather_dim).contiguous()
 
 
-@all_to_all.register_fake
-def _(x, scatter_dim, gather_dim, group_name):
+@all_to_all_wait.register_fake
+def _(buf, shape, scatter_dim, gather_dim, group_name):
     world = dist.get_world_size(_group(group_name))
-    shape = list(x.shape)
-    shape[scatter_dim] = shape[scatter_dim] // world
-    shape[gather_dim] = shape[gather_dim] * world
-    return x.new_empty(shape)
+    return buf.new_empty(_exchanged_shape(shape, scatter_dim, gather_dim, world))
 
 
-def _all_to_all_setup(ctx: Any, inputs: tuple, output: Tensor) -> None:
-    _, ctx.scatter_dim, ctx.gather_dim, ctx.group_name = inputs
+def _start_setup(ctx: Any, inputs: tuple, output: Tensor) -> None:
+    x, ctx.scatter_dim, ctx.gather_dim, ctx.group_name = inputs
+    world = dist.get_world_size(_group(ctx.group_name))
+    ctx.out_shape = _exchanged_shape(list(x.shape), ctx.scatter_dim, ctx.gather_dim, world)
 
 
-def _all_to_all_backward(ctx: Any, grad: Tensor):
-    back = all_to_all(grad.contiguous(), ctx.gather_dim, ctx.scatter_dim, ctx.group_name)
-    return back, None, None, None
+def _start_backward(ctx: Any, grad_buf: Tensor):
+    # ``grad_buf`` is the inverse exchange in flight, started by the wait's backward.
+    grad = all_to_all_wait(grad_buf, ctx.out_shape, ctx.gather_dim, ctx.scatter_dim, ctx.group_name)
+    return grad, None, None, None
 
 
-all_to_all.register_autograd(_all_to_all_backward, setup_context=_all_to_all_setup)
+all_to_all_start.register_autograd(_start_backward, setup_context=_start_setup)
+
+
+def _wait_setup(ctx: Any, inputs: tuple, output: Tensor) -> None:
+    _, _, ctx.scatter_dim, ctx.gather_dim, ctx.group_name = inputs
+
+
+def _wait_backward(ctx: Any, grad: Tensor):
+    return all_to_all_start(grad.contiguous(), ctx.gather_dim, ctx.scatter_dim, ctx.group_name), None, None, None, None
+
+
+all_to_all_wait.register_autograd(_wait_backward, setup_context=_wait_setup)
+
+
+def all_to_all(x: Tensor, scatter_dim: int, gather_dim: int, group_name: str) -> Tensor:
+    """The whole exchange: start, then wait (``autosp.passes.overlap`` may move them apart)."""
+    buf = all_to_all_start(x, scatter_dim, gather_dim, group_name)
+    return all_to_all_wait(buf, list(x.shape), scatter_dim, gather_dim, group_name)
 
 
 # --- scale_grad: identity forward, scaled backward ---------------------------------------------
@@ -198,4 +260,19 @@ COLLECTIVE_OPS = frozenset(
     }
 )
 
-__all__ = ["COLLECTIVE_OPS", "all_gather", "all_reduce", "all_to_all", "reduce_scatter", "scale_grad"]
+# Ops whose result is only usable after a later wait, and those waits.
+START_OPS = frozenset({torch.ops.autosp.all_to_all.default})
+WAIT_OPS = frozenset({torch.ops.autosp.wait_exchange.default})
+
+__all__ = [
+    "COLLECTIVE_OPS",
+    "START_OPS",
+    "WAIT_OPS",
+    "all_gather",
+    "all_reduce",
+    "all_to_all",
+    "all_to_all_start",
+    "all_to_all_wait",
+    "reduce_scatter",
+    "scale_grad",
+]
