@@ -1,7 +1,10 @@
-"""FlexAttention under SP: no variant rewrites it yet, so it runs whole on every rank, exactly, and the report says so.
+"""FlexAttention under SP, against single-device eager.
 
-The SDPA layer before it is still sequence-parallel. Forward only: torch 2.13 has no FlexAttention
-backward on CPU (single-device eager raises the same error), so gradients are checked on a GPU.
+Ulysses rewrites it: each rank attends for its heads over the whole sequence, with the block mask
+whole (sliced to its heads when the mask is per head) and the mods seeing global head indices.
+Where it cannot split the heads (kv heads over 4 ranks) and under ring, it runs whole, exactly,
+and the report says so. Forward only: torch 2.13 has no FlexAttention backward on CPU (one device
+raises the same error), so gradients are checked on a GPU.
 """
 
 from __future__ import annotations
@@ -11,11 +14,33 @@ import torch
 from flex_workers import run
 from harness import run_spmd
 
+CASES = [("documents", 4), ("per_head", 2)]
 
-@pytest.mark.parametrize(("world", "variant"), [(2, "ulysses"), (2, "ring"), (4, "ulysses")])
-def test_flex_attention_is_exact(world, variant):
-    for rank, got in enumerate(run_spmd(run, world, variant, 96)):
-        where = f"{variant} P={world} rank {rank}"
-        torch.testing.assert_close(got["loss"], got["reference"], rtol=1e-5, atol=1e-6, msg=where)
-        assert got["shard_start"] >= 1, f"{where}: nothing was sequence-parallel"
-        assert any(n.startswith("FlexAttention (") and "computed whole" in n for n in got["notes"]), got["notes"]
+
+def _check(world: int, variant: str, cases: list[tuple[str, int]]) -> list[dict]:
+    per_rank = run_spmd(run, world, variant, cases, 96)
+    for rank, results in enumerate(per_rank):
+        for case in cases:
+            got = results[case]
+            where = f"{case} {variant} P={world} rank {rank}"
+            torch.testing.assert_close(got["loss"], got["reference"], rtol=1e-5, atol=1e-6, msg=where)
+            assert got["collectives"]["shard_start"] >= 1, f"{where}: nothing was sequence-parallel"
+    return per_rank
+
+
+def test_ulysses_rewrites_flex_attention():
+    for results in _check(2, "ulysses", CASES):
+        for case, got in results.items():
+            assert got["sites"].count("flex_attention") == 1 and not got["fallbacks"], (case, got["fallbacks"])
+            # SDPA: q/k/v in one exchange and one back; Flex: q, k, v and the output.
+            assert got["collectives"]["all_to_all"] >= 4 and not got["collectives"]["all_gather"], got["collectives"]
+
+
+@pytest.mark.parametrize(("world", "variant"), [(2, "ring"), (4, "ulysses")])
+def test_flex_attention_runs_whole_where_not_rewritten(world, variant):
+    # Ring does not rewrite Flex; at P=4 Ulysses cannot split 2 kv heads: both run it whole, exactly.
+    cases = [("per_head", 2)]
+    for results in _check(world, variant, cases):
+        got = results[cases[0]]
+        said = got["notes"] if variant == "ring" else got["fallbacks"]
+        assert any("flex_attention" in n.lower() and "whole" in n for n in said), said

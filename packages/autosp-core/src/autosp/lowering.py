@@ -65,6 +65,17 @@ SDPA = AttentionSpec(
 )
 
 
+# FlexAttention is a higher-order op that lowering keeps as one node (its score_mod and mask_mod
+# are subgraphs). Only Ulysses rewrites it: each rank holds whole sequences, so the block mask
+# keeps its meaning; ring would need the block mask's tiles per step.
+FLEX = AttentionSpec(
+    name="flex_attention",
+    targets=tuple(t for t in (getattr(torch.ops.higher_order, "flex_attention", None),) if t is not None),
+    layout="BHSD",
+    variants=("ulysses",),
+)
+
+
 def sdpa_args(args: tuple, kwargs: dict) -> dict[str, Any]:
     """SDPA's arguments by name, defaults filled in."""
     bound = dict(zip(SDPA_SIGNATURE, args))
@@ -207,4 +218,4 @@ def leaves_for_kernels(gm: torch.fx.GraphModule) -> int:
     return count
 
 
-__all__ = ["SDPA", "insert_leaves", "leaves_for_kernels", "lower_to_aten", "sdpa_args", "sdpa_leaf"]
+__all__ = ["FLEX", "SDPA", "insert_leaves", "leaves_for_kernels", "lower_to_aten", "sdpa_args", "sdpa_leaf"]

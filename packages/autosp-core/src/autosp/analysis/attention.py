@@ -31,6 +31,8 @@ class AttentionSpec:
         leaf: op that stands for the call while the graph is lowered to aten, so that
             it stays one node; ``None`` when the target already is a custom op.
         signature: argument names of ``leaf``, to map keyword arguments onto it.
+        variants: names of the SP variants that rewrite this op; ``None``: every variant. Under
+            any other variant the call is no site: the engine runs it whole, inputs gathered.
     """
 
     name: str
@@ -41,6 +43,10 @@ class AttentionSpec:
     causal: str | None = None
     leaf: Any = None
     signature: tuple[str, ...] = ()
+    variants: tuple[str, ...] | None = None
+
+    def rewritten_by(self, variant: str) -> bool:
+        return self.variants is None or variant in self.variants
 
 
 @dataclass

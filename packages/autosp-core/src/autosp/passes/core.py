@@ -11,7 +11,7 @@ from autosp.analysis.eager import EagerRegion, find_eager_regions, region_site, 
 from autosp.analysis.source import user_line
 from autosp.context import CompileContext
 from autosp.errors import AutoSPError
-from autosp.lowering import SDPA, insert_leaves, leaves_for_kernels, lower_to_aten
+from autosp.lowering import FLEX, SDPA, insert_leaves, leaves_for_kernels, lower_to_aten
 from autosp.passes.grad_sync import sync_grads
 from autosp.passes.manager import Pass, Stage
 from autosp.passes.tile_loss import TILE_LOSS
@@ -23,7 +23,18 @@ from autosp.sharding.propagate import shard_graph
 
 
 def _specs(ctx: CompileContext) -> list:
-    return [SDPA, *ctx.registry.attention.values()]
+    return [SDPA, FLEX, *ctx.registry.attention.values()]
+
+
+def _drop_sites_not_rewritten(ctx: CompileContext) -> None:
+    """Sites of ops the chosen variant does not rewrite run whole: the engine gathers their inputs."""
+    for site in [s for s in ctx.sites if not s.spec.rewritten_by(ctx.options.variant)]:
+        ctx.sites.remove(site)
+        ctx.report.notes.append(
+            f"{site.spec.name} {site.name}: variant {ctx.options.variant!r} does not rewrite it; computed whole on "
+            f"every rank, q, k and v gathered (exact, no memory saving for it; variants that rewrite it: "
+            f"{', '.join(site.spec.variants or ())})"
+        )
 
 
 def _concrete(n: int | torch.SymInt) -> int | torch.SymInt:
@@ -44,7 +55,6 @@ def find_attention(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
             ctx.report.notes.append(f"attention analysis skipped: {e}")
         return
     _refuse_unsupported(gm)
-    _note_whole_attention(gm, ctx)
     # Attention written out by hand is found after lowering (``autosp.lower``), where it is canonical.
     ctx.sites = find_attention_sites(gm, _specs(ctx))
     ctx.report.sites = list(ctx.sites)
@@ -97,21 +107,6 @@ def _refuse_unsupported(gm: torch.fx.GraphModule) -> None:
             )
 
 
-def _note_whole_attention(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
-    """Say where attention runs whole: no variant rewrites FlexAttention yet, so the engine's
-    default for an op without a rule takes it (q, k and v gathered; exact, no memory saving)."""
-    flex = getattr(torch.ops.higher_order, "flex_attention", None)
-    for module in gm.modules():
-        for node in module.graph.nodes if isinstance(module, torch.fx.GraphModule) else ():
-            if node.op == "call_function" and node.target is flex:
-                where = user_line(node) or node.name
-                ctx.report.notes.append(
-                    f"FlexAttention ({where}): computed whole on every rank, q, k and v gathered (exact, but "
-                    "no sequence-parallel memory saving for it); F.scaled_dot_product_attention with a boolean "
-                    "mask is rewritten by every variant"
-                )
-
-
 def _settle_sequence(ctx: CompileContext, lengths: list, written_out: list[EagerRegion]) -> None:
     """The sequence length this graph shards, from its attention or, lacking any, an earlier graph's.
 
@@ -152,6 +147,7 @@ def _settle_sequence(ctx: CompileContext, lengths: list, written_out: list[Eager
             f"sequence length {hint(seq)} is not divisible by sp_size={ctx.world}; pad the batch to a multiple "
             f"of {ctx.world} tokens (mask or ignore the padding in the loss)"
         )
+    _drop_sites_not_rewritten(ctx)
     for site in ctx.sites:
         ctx.variant.check(site, ctx.world)
     ctx.seq_len = seq
@@ -189,6 +185,10 @@ def lower(gm: torch.fx.GraphModule, ctx: CompileContext) -> torch.fx.GraphModule
     dynamo_lengths = _site_lengths(ctx.sites)
     insert_leaves(gm, _specs(ctx))
     aten_gm = lower_to_aten(gm, ctx.fake_inputs, ctx.fake_mode)
+    # Tracing leaves dead nodes (FlexAttention's example scalars, `new_zeros` of q): the SP rewrite
+    # would gather their sharded inputs for nothing. Random ops count as live, so the RNG stream keeps.
+    if aten_gm.graph.eliminate_dead_code():
+        aten_gm.recompile()
     if not ctx.sp:  # lowered for a test or a tool: one rank has nothing to settle
         ctx.sites = find_attention_sites(aten_gm, _specs(ctx))
         return aten_gm

@@ -1,0 +1,89 @@
+"""Ulysses at a FlexAttention call: whole sequences for H/P heads, the block mask kept whole.
+
+After the all-to-all every rank holds the whole sequence for its heads, so the block mask, the
+query and key indices that ``score_mod``/``mask_mod`` see and their captured buffers keep their
+meaning. Only the head index changes: rank r computes heads ``[r*H/P, (r+1)*H/P)`` as local
+heads ``0 .. H/P-1``, so both mods get ``h`` shifted back to the global head, and per-head block
+tensors are sliced to this rank's heads. Whatever this cannot place exactly (kv heads that do not
+split over the ranks, block-mask fields it does not know) runs whole, inputs gathered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from autosp.analysis.attention import AttentionSite
+from autosp.sharding import collectives as C
+from autosp.sharding.context import SPContext, SPValue
+from autosp.sharding.placement import HeadShard, SeqAxis, Shard
+from autosp.sharding.redistribute import to_replicate
+from autosp.sharding.rules.base import fallback
+from autosp_ulysses.attention import to_heads
+
+# BlockMask.as_tuple(): lengths, 8 block tensors, 4 dq-order fields, block sizes, mask_mod.
+_BLOCK_TENSORS = range(2, 10)
+_DQ_ORDERS = range(10, 14)
+
+
+def _whole(ctx: SPContext, x: Any) -> Any:
+    return to_replicate(ctx, x).local if isinstance(x, SPValue) else x
+
+
+def _shift_head(fn: Callable[..., Any], index: int, offset: int) -> Callable[..., Any]:
+    """``fn`` with its head argument (position ``index``) shifted from local to global heads."""
+
+    def shifted(*args: Any) -> Any:
+        args = list(args)
+        args[index] = args[index] + offset
+        return fn(*args)
+
+    return shifted
+
+
+def _local_block_mask(ctx: SPContext, block: tuple, heads: int, lo: int, hi: int) -> tuple | None:
+    """The block mask for heads ``[lo, hi)``, or None when a field's meaning is not known here."""
+    block = tuple(_whole(ctx, x) for x in block)
+    if len(block) != 17 or any(block[i] is not None for i in _DQ_ORDERS):
+        return None
+    out = list(block)
+    for i in _BLOCK_TENSORS:
+        t = block[i]
+        if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[1] == heads and heads > 1:
+            out[i] = t.narrow(1, lo, hi - lo)
+        elif isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[1] != 1:
+            return None  # a head dim of another size: not a layout this rule knows
+    out[16] = _shift_head(block[16], 1, lo)  # mask_mod(b, h, q_idx, kv_idx, *buffers)
+    return tuple(out)
+
+
+def flex_rule(ctx: SPContext, node: torch.fx.Node, site: AttentionSite, args: tuple, kwargs: dict) -> Any:
+    q, k, v, score_mod, block, scale, options, score_bufs, mask_bufs = args
+    heads, kv_heads = site.heads, site.kv_heads
+    per = heads // ctx.world
+    lo, hi = ctx.rank * per, (ctx.rank + 1) * per
+    local_block = _local_block_mask(ctx, block, heads, lo, hi) if kv_heads % ctx.world == 0 else None
+    if local_block is None or kwargs:
+        ctx.fallbacks.append(f"{node.name} (FlexAttention): kv heads or block mask do not split over heads; run whole")
+        return fallback(ctx, node, args, kwargs)
+    hdim, sdim = site.axis("H"), site.axis("S")
+    ql, kl, vl = (to_heads(ctx, x, hdim, sdim) for x in (q, k, v))
+    # Captured buffers (document ids, biases) index global positions and heads: whole on every rank.
+    score_bufs, mask_bufs = pytree.tree_map(lambda x: _whole(ctx, x), (score_bufs, mask_bufs))
+    out, lse, *rest = node.target(
+        ql, kl, vl, _shift_head(score_mod, 2, lo), local_block, scale, options, tuple(score_bufs), tuple(mask_bufs)
+    )
+    ctx.note("all_to_all")
+    back = C.all_to_all(out.contiguous(), sdim, hdim, ctx.group_name)
+    length = site.seq_len
+    vals = node.meta["val"]
+    shard = Shard(SeqAxis(sdim, length), ctx.even_ranges(length))
+    # The log-sum-exp (and the row max) stay head-sharded over the whole sequence; a use gathers them.
+    heads_of = HeadShard(1, tuple((r * per, (r + 1) * per) for r in range(ctx.world)))
+    return (SPValue(back, shard, vals[0]), *(SPValue(t, heads_of, g) for t, g in zip([lse, *rest], vals[1:])))
+
+
+__all__ = ["flex_rule"]
