@@ -88,7 +88,8 @@ def _flash_forward(q, k, v, scale, causal, bias):
 
 def _flash_backward(dout, q, k, v, out, lse, scale, causal, bias):
     lq, lk = q.shape[2], k.shape[2]
-    seed = offset = torch.empty(0, dtype=torch.int64, device=q.device)
+    # No dropout: the rng state is never read; shaped as the forward returns it. No cumulative lengths: dense.
+    seed, offset = torch.zeros(2, dtype=torch.int64, device=q.device), torch.zeros((), dtype=torch.int64)
     return aten._scaled_dot_product_flash_attention_backward(
         dout, q, k, v, out, lse, None, None, lq, lk, 0.0, causal, seed, offset, scale=scale
     )
@@ -117,7 +118,7 @@ def _efficient_backward(dout, q, k, v, out, lse, scale, causal, bias):
     lq = q.shape[2]
     padded = torch.zeros(*lse.shape[:-1], -(-lq // 32) * 32, dtype=lse.dtype, device=lse.device)
     padded[..., :lq] = lse
-    seed = offset = torch.empty(0, dtype=torch.int64, device=q.device)
+    seed = offset = torch.zeros((), dtype=torch.int64)  # no dropout: never read
     dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
         dout,
         q,
@@ -211,7 +212,7 @@ def check(kernel: FusedKernel, device: torch.device, dtype: torch.dtype, head_di
             and _close(lse[live], ref_lse[live], tol)
             and all(_close(a, b, tol) for a, b in zip(got, ref))
         )
-    except (RuntimeError, NotImplementedError) as e:  # not built for this device, dtype or head dim
+    except Exception as e:  # noqa: BLE001 - any failure (not built for this device, dtype, head dim) rules it out
         ok, why = False, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     else:
         why = "its results differ from the fp32 reference"
@@ -244,7 +245,11 @@ def _bias(tile: Tile, dtype: torch.dtype) -> Tensor | None:
         return None
     if m.dtype == torch.bool:
         return torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(~m, NEG_INF)
-    return m.to(dtype) if dtype != torch.float32 and m.dtype == torch.float32 else m
+    if dtype == m.dtype:
+        return m
+    # A finite large negative (HF's finfo(fp32).min) stays finite in a narrower dtype: -inf would make
+    # rows the model leaves uniform empty instead.
+    return torch.where(torch.isneginf(m), m, m.clamp_min(torch.finfo(dtype).min)).to(dtype)
 
 
 def _dead_rows(tile: Tile) -> Tensor | None:
