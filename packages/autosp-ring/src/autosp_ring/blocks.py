@@ -1,7 +1,9 @@
 """One block of ring attention: q of one sequence chunk against k/v of another.
 
-Everything is computed in fp32 and merged through the log-sum-exp, so the order
-in which blocks arrive does not change the result beyond rounding.  Masks are
+Blocks merge in fp32 through the log-sum-exp, so the order in which they arrive
+does not change the result beyond rounding.  This module's block math (fp32,
+[Lq, Lk] scores) is the reference and the fallback; ``autosp_ring.kernels``
+computes blocks on fused kernels where it can.  Masks are
 built from global positions: causal keeps ``k <= q``; a sliding window of
 ``window`` keeps ``0 <= q - k < window`` (causal sliding window, as in Mistral).
 """
