@@ -136,6 +136,21 @@ for lay in SEQ_LAYOUTS:
         shard(2, lay),
         shard(1, lay),
     )
+    # a contracts its sequence, b holds its *columns* in the same layout: no partial product (was a crash).
+    case(
+        aten.mm.default,
+        f"a-contracts-seq-b-sharded-on-m-{lay}",
+        args(lambda g: randn(g, 3, S), sq),
+        shard(1, lay),
+        shard(1, lay),
+    )
+    case(
+        aten.bmm.default,
+        f"a-contracts-seq-b-sharded-on-m-{lay}",
+        args(lambda g: randn(g, B, 3, S), lambda g: randn(g, B, S, S)),
+        shard(2, lay),
+        shard(2, lay),
+    )
     case(
         aten.addmm.default,
         f"bias+tokens@W-{lay}",
@@ -408,7 +423,8 @@ case(aten.detach.default, "shard", args(x3), shard(1, "uneven"))
 case(aten.detach.default, "partial", args(lambda g: randn(g, B, D)), Partial())
 case(aten.lift_fresh_copy.default, "shard", args(x3), shard(1))
 case(aten.lift_fresh_copy.default, "replicated", args(lambda g: randn(g, B, D)), R)
-# aten.copy has no derivative (functionalization's copy; values only).
+# aten.copy has no derivative, so eager cannot be the reference for its gradient here; see
+# test_copy_rule_has_a_gradient for the gradient the rule gives it.
 case(aten.copy.default, "into-replicated-from-shard", args(x3, x3), R, shard(1, "zigzag"), requires_grad=(False, False))
 case(
     aten.copy.default,
@@ -1064,6 +1080,44 @@ def test_rule_matches_the_unsharded_op(c: Case, world: int) -> None:
         trace=world == 3,
         **c.options,
     )
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("lay", SEQ_LAYOUTS)
+def test_copy_rule_has_a_gradient(world: int, lay: str) -> None:
+    """In-place updates of activations (``x[:, 1:] += y``, ``h[:, -1] *= 2``) lower to ``aten.copy``.
+
+    The sharded program is differentiated afterwards and ``aten.copy`` has no derivative, so the rule
+    computes its value with ``copy_values``: same values as ``aten.copy``, gradients checked against it.
+    """
+    from autosp.sharding.rules.elementwise import copy_values
+
+    g = torch.Generator().manual_seed(5)
+    dst, src, row = x3(g), x3(g), randn(g, D)
+    assert torch.equal(copy_values(dst, row), aten.copy(dst, row))
+    rules = {**RULES, copy_values: RULES[aten.copy.default]}
+    for inputs, placements in (
+        ((dst, src), (shard(1, lay), shard(1, lay))),
+        ((dst, src), (R, shard(1, lay))),
+        ((dst, row), (shard(1, lay), R)),
+        ((dst, src), (shard(1, lay), Partial())),
+    ):
+        check_op(copy_values, inputs, placements=placements, world=world, context={"rules": rules}, trace=world == 3)
+
+
+def test_copy_rule_output_is_differentiable() -> None:
+    """What the sharded program runs for ``aten.copy`` has a backward; ``aten.copy`` itself raises in it."""
+    from autosp.sharding.context import SPContext, SPValue
+
+    graph = torch.fx.Graph()
+    node = graph.call_function(aten.copy.default, (graph.placeholder("dst"), graph.placeholder("src")))
+    g = torch.Generator().manual_seed(6)
+    dst, src = x3(g), x3(g).requires_grad_()
+    node.meta["val"] = dst
+    ctx = SPContext(rank=0, world=1, group_name="unused", seq_len=S, attention_rule=None)  # type: ignore[arg-type]
+    out = RULES[aten.copy.default](ctx, node, (SPValue(dst, Replicate(), dst), SPValue(src, Replicate(), src)), {})
+    out.local.sum().backward()
+    assert torch.equal(out.local, src) and torch.equal(src.grad, torch.ones_like(src))
 
 
 def test_every_rule_has_a_case() -> None:

@@ -58,7 +58,10 @@ def matmul_rule(ctx, node, args, kwargs):
             args = (bias, a, b, *extra)
         return replicated(ctx, node, args, kwargs, _mm_axis(pa, pb, la, lb, out_labels))
     if shard_label == "k":
-        if not (isinstance(pa, Shard) and isinstance(pb, Shard) and pa.same_layout(pb) and bias is None):
+        # Both operands must hold the same positions of the contracted dim: b sharded on its own
+        # "m" with a layout that happens to match a's is no partial product.
+        both_k = isinstance(pa, Shard) and isinstance(pb, Shard) and lb[pb.axis.dim] == "k"
+        if not (both_k and pa.same_layout(pb) and bias is None):
             return fallback(ctx, node, args, kwargs)
         out = torch.matmul(a.local, b.local)
         return SPValue(out, Partial(), node.meta["val"])

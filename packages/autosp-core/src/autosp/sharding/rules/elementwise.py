@@ -126,7 +126,6 @@ for _op in (
     aten.alias.default,
     aten.detach.default,
     aten.lift_fresh_copy.default,
-    aten.copy.default,
     aten.full_like.default,
     aten.zeros_like.default,
     aten.ones_like.default,
@@ -139,3 +138,30 @@ for _op in (
     RULES[_op] = elementwise
 # Partial inputs are handled above (linear ops keep them; the rest reduce them first).
 declare(elementwise, (Partial,))
+
+
+def copy_values(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+    """``aten.copy``'s value, written with ops that have a derivative (``aten.copy`` has none)."""
+    return src.to(dtype=dst.dtype, device=dst.device).expand(dst.shape).clone()
+
+
+class _Retargeted:
+    """``node`` as a rule sees it, with another function computing its value."""
+
+    def __init__(self, node: torch.fx.Node, target: Any) -> None:
+        self.node, self.target = node, target
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.node, name)
+
+
+def copy_rule(ctx: SPContext, node: torch.fx.Node, args: tuple, kwargs: dict) -> Any:
+    """Functionalized in-place updates (``x[:, 1:] += y``) leave ``aten.copy(dst, src)`` in the graph.
+
+    Its value is ``src`` cast and broadcast to ``dst``: elementwise, but the sharded program is
+    differentiated afterwards and ``aten.copy`` has no derivative, so ``copy_values`` computes it.
+    """
+    return elementwise(ctx, _Retargeted(node, copy_values), args, kwargs)  # type: ignore[arg-type]
+
+
+RULES[aten.copy.default] = declare(copy_rule, (Partial,))
