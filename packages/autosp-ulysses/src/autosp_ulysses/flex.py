@@ -22,7 +22,7 @@ from autosp.sharding.context import SPContext, SPValue
 from autosp.sharding.placement import HeadShard, SeqAxis, Shard
 from autosp.sharding.redistribute import to_replicate
 from autosp.sharding.rules.base import fallback
-from autosp_ulysses.attention import to_heads
+from autosp_ulysses.attention import to_heads, to_heads_fused
 
 # BlockMask.as_tuple(): lengths, 8 block tensors, 4 dq-order fields, block sizes, mask_mod.
 _BLOCK_TENSORS = range(2, 10)
@@ -70,7 +70,8 @@ def flex_rule(ctx: SPContext, node: torch.fx.Node, site: AttentionSite, args: tu
         ctx.fallbacks.append(f"{node.name} (FlexAttention): kv heads or block mask do not split over heads; run whole")
         return fallback(ctx, node, args, kwargs)
     hdim, sdim = site.axis("H"), site.axis("S")
-    ql, kl, vl = (to_heads(ctx, x, hdim, sdim) for x in (q, k, v))
+    fused = to_heads_fused(ctx, [q, k, v], hdim, sdim)
+    ql, kl, vl = fused if fused is not None else (to_heads(ctx, x, hdim, sdim) for x in (q, k, v))
     # Captured buffers (document ids, biases) index global positions and heads: whole on every rank.
     score_bufs, mask_bufs = pytree.tree_map(lambda x: _whole(ctx, x), (score_bufs, mask_bufs))
     out, lse, *rest = node.target(
