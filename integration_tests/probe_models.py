@@ -1,0 +1,640 @@
+"""Programs written the way others write them, outside the other suites: the engine's held-out probes.
+
+Each builder returns a module whose ``forward`` takes the tensors of ``inputs(name, ...)`` and
+returns a scalar loss, or a tuple of a loss and other outputs (hidden states, a pooled vector).
+Hand-written ones cover what real code does to the sequence axis: complex rotary, einsum
+attention, relative-position bias, normalisations whose statistics span the sequence, scans,
+selections by computed indices, in-place updates, windows and strides.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+VOCAB, DIM, HEADS, CLASSES = 64, 32, 4, 3
+HD = DIM // HEADS
+
+
+class Attn(nn.Module):
+    """Multi-head self-attention through SDPA; ``bias`` is an additive [1 or B, H, S, S] tensor."""
+
+    def __init__(self, causal: bool = True) -> None:
+        super().__init__()
+        self.causal = causal
+        self.qkv = nn.Linear(DIM, 3 * DIM)
+        self.out = nn.Linear(DIM, DIM)
+
+    def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        B, S, _ = x.shape
+        q, k, v = self.qkv(x).view(B, S, 3, HEADS, HD).permute(2, 0, 3, 1, 4)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        B, S, _ = x.shape
+        q, k, v = self.heads(x)
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, is_causal=self.causal and bias is None)
+        return self.out(a.transpose(1, 2).reshape(B, S, DIM))
+
+
+class LMBase(nn.Module):
+    """Embedding, one attention block, an LM head with a shifted token loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.ln = nn.LayerNorm(DIM)
+        self.attn = Attn()
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def lm_loss(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        logits = self.head(x)
+        return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+
+
+# --- position encodings ------------------------------------------------------------------------
+
+
+def freqs_cis(seq: int, dim: int = HD) -> torch.Tensor:
+    freqs = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    return torch.polar(torch.ones(seq, dim // 2), torch.outer(torch.arange(seq).float(), freqs))
+
+
+class ComplexRope(LMBase):
+    """Meta's original Llama: rotary through ``view_as_complex`` on [B, S, H, D/2] complex values."""
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        B, S, _ = x.shape
+        q, k, v = self.attn.qkv(self.ln(x)).view(B, S, 3, HEADS, HD).unbind(2)
+        f = freqs_cis(S)[None, :, None, :]
+        q = torch.view_as_real(torch.view_as_complex(q.reshape(B, S, HEADS, -1, 2)) * f).flatten(3)
+        k = torch.view_as_real(torch.view_as_complex(k.reshape(B, S, HEADS, -1, 2)) * f).flatten(3)
+        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        x = x + self.attn.out(a.transpose(1, 2).reshape(B, S, DIM))
+        return self.lm_loss(x, ids)
+
+
+class InterleavedRope(LMBase):
+    """GPT-J / CodeGen: rotary on interleaved pairs (``x[..., ::2]``, ``x[..., 1::2]``), sin/cos gathered by position."""
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        B, S, _ = x.shape
+        q, k, v = self.attn.qkv(self.ln(x)).view(B, S, 3, HEADS, HD).unbind(2)
+        pos = torch.arange(S)[None].expand(B, S)
+        inv = 1.0 / (10000 ** (torch.arange(0, HD, 2).float() / HD))
+        table = torch.einsum("i,j->ij", torch.arange(64).float(), inv)
+        sincos = torch.cat([table.sin(), table.cos()], -1)[pos]  # [B, S, HD]
+        sin, cos = (
+            torch.repeat_interleave(sincos[..., : HD // 2], 2, -1),
+            torch.repeat_interleave(sincos[..., HD // 2 :], 2, -1),
+        )
+
+        def rotate(t):
+            x1, x2 = t[..., ::2], t[..., 1::2]
+            rot = torch.stack((-x2, x1), dim=-1).flatten(-2)
+            return t * cos[:, :, None] + rot * sin[:, :, None]
+
+        q, k = rotate(q), rotate(k)
+        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        x = x + self.attn.out(a.transpose(1, 2).reshape(B, S, DIM))
+        return self.lm_loss(x, ids)
+
+
+class EinsumAttention(LMBase):
+    """Attention written with einsum and a ``masked_fill`` of a tril mask."""
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        B, S, _ = x.shape
+        q, k, v = self.attn.heads(self.ln(x))
+        scores = torch.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(HD)
+        keep = torch.ones(S, S, dtype=torch.bool).tril()
+        probs = scores.masked_fill(~keep, float("-inf")).softmax(-1)
+        a = torch.einsum("bhqk,bhkd->bqhd", probs, v)
+        x = x + self.attn.out(a.reshape(B, S, DIM))
+        return self.lm_loss(x, ids)
+
+
+def t5_bucket(rel: torch.Tensor, buckets: int = 8, max_distance: int = 32) -> torch.Tensor:
+    """T5's bidirectional relative-position bucket."""
+    buckets //= 2
+    out = (rel > 0).long() * buckets
+    rel = rel.abs()
+    exact = buckets // 2
+    large = exact + (torch.log(rel.float() / exact + 1e-6) / math.log(max_distance / exact) * (buckets - exact)).long()
+    large = torch.min(large, torch.full_like(large, buckets - 1))
+    return out + torch.where(rel < exact, rel, large)
+
+
+class T5Bias(nn.Module):
+    """T5 encoder: a learned relative-position bias [1, H, S, S] from buckets, added to unscaled scores."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.rel = nn.Embedding(8, HEADS)
+        self.attn = Attn(causal=False)
+        self.cls = nn.Linear(DIM, CLASSES)
+
+    def forward(self, ids, y):
+        x = self.embed(ids)
+        S = ids.shape[1]
+        ctx = torch.arange(S)[:, None]
+        mem = torch.arange(S)[None, :]
+        bias = self.rel(t5_bucket(mem - ctx)).permute(2, 0, 1).unsqueeze(0)
+        x = x + self.attn(x, bias)
+        return F.cross_entropy(self.cls(x.mean(1)), y)
+
+
+class Alibi(LMBase):
+    """BLOOM: ALiBi from the padding mask's cumsum, added to the causal mask as a [B, H, 1, S] bias."""
+
+    def forward(self, ids, mask):
+        x = self.embed(ids)
+        B, S = ids.shape
+        slopes = torch.tensor([2 ** (-8 * (i + 1) / HEADS) for i in range(HEADS)])
+        pos = ((mask.cumsum(-1) - 1) * mask)[:, None, :].float()
+        alibi = slopes[None, :, None, None] * pos[:, :, None, :]
+        causal = torch.ones(S, S, dtype=torch.bool).tril()
+        allowed = causal[None, None] & mask[:, None, None, :].bool()
+        allowed = allowed | torch.eye(S, dtype=torch.bool)
+        bias = alibi.masked_fill(~allowed, torch.finfo(x.dtype).min)
+        x = x + self.attn(self.ln(x), bias)
+        logits = self.head(x)[:, :-1]
+        labels = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
+        return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+
+
+class OptPositions(LMBase):
+    """OPT: learned positions at ``cumsum(mask) * mask - 1 + 2`` (an offset of 2), left padding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = nn.Embedding(64 + 2, DIM)
+
+    def forward(self, ids, mask):
+        positions = (torch.cumsum(mask, dim=1).type_as(mask) * mask).long() - 1
+        x = self.embed(ids) + self.pos(positions + 2)
+        x = x + self.attn(self.ln(x))
+        return self.lm_loss(x, ids)
+
+
+# --- sequence mixing without attention -----------------------------------------------------------
+
+
+class WhisperFront(nn.Module):
+    """Whisper-like: two conv1d over the sequence, the second with stride 2, then positions and a pooled loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv1d(8, DIM, 3, padding=1)
+        self.conv2 = nn.Conv1d(DIM, DIM, 3, stride=2, padding=1)
+        self.pos = nn.Parameter(torch.randn(64, DIM) * 0.02)
+        self.attn = Attn(causal=False)
+        self.cls = nn.Linear(DIM, CLASSES)
+
+    def forward(self, feats, y):  # feats [B, 8, S]
+        x = F.gelu(self.conv2(F.gelu(self.conv1(feats)))).transpose(1, 2)
+        x = x + self.pos[: x.shape[1]]
+        x = x + self.attn(x)
+        return F.cross_entropy(self.cls(x.mean(1)), y)
+
+
+class RwkvShift(LMBase):
+    """RWKV's token shift with ``nn.ZeroPad2d((0, 0, 1, -1))`` (a negative pad) and a learned mix."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shift = nn.ZeroPad2d((0, 0, 1, -1))
+        self.mix = nn.Parameter(torch.rand(DIM))
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        x = x * self.mix + self.shift(x) * (1 - self.mix)
+        x = x + self.attn(self.ln(x))
+        return self.lm_loss(x, ids)
+
+
+class LinearAttentionScan(LMBase):
+    """Causal linear attention by cumsum of k v outer products, with a cumprod decay."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(DIM, 1)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        B, S, _ = x.shape
+        q, k, v = self.attn.qkv(self.ln(x)).chunk(3, -1)
+        q, k = F.elu(q) + 1, F.elu(k) + 1
+        decay = torch.sigmoid(self.gate(x)).squeeze(-1).cumprod(1)[..., None]  # [B, S, 1]
+        kv = torch.cumsum(k.unsqueeze(-1) * v.unsqueeze(-2) * 0.1, dim=1)  # [B, S, D, D]
+        z = torch.cumsum(k, dim=1)
+        num = torch.einsum("bsd,bsde->bse", q, kv)
+        den = torch.einsum("bsd,bsd->bs", q, z)[..., None] + 1.0
+        x = x + self.attn.out(num / den) * (0.5 + decay)
+        return self.lm_loss(x, ids)
+
+
+class Norms(nn.Module):
+    """Statistics over the batch and the sequence (BatchNorm1d), or over the sequence (InstanceNorm, LayerNorm)."""
+
+    def __init__(self, kind: str, seq: int) -> None:
+        super().__init__()
+        self.kind = kind
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.attn = Attn(causal=False)
+        if kind == "batchnorm":
+            self.norm = nn.BatchNorm1d(DIM)
+        elif kind == "instancenorm":
+            self.norm = nn.InstanceNorm1d(DIM, affine=True)
+        elif kind == "groupnorm":
+            self.norm = nn.GroupNorm(4, DIM)
+        else:
+            self.norm = nn.LayerNorm(seq)
+        self.cls = nn.Linear(DIM, CLASSES)
+
+    def forward(self, ids, y):
+        x = self.embed(ids)
+        x = x + self.attn(x)
+        x = self.norm(x.transpose(1, 2)).transpose(1, 2)
+        return F.cross_entropy(self.cls(x.amax(1)), y)
+
+
+# --- losses and selections ---------------------------------------------------------------------
+
+
+class PerSequenceLoss(LMBase):
+    """``reduction='none'`` token loss, masked, normalised per sequence, then averaged over sequences."""
+
+    def forward(self, ids, loss_mask):
+        x = self.embed(ids)
+        x = x + self.attn(self.ln(x))
+        logits = self.head(x)[:, :-1]
+        per_token = F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")  # [B, S-1]
+        m = loss_mask[:, 1:]
+        return ((per_token * m).sum(1) / m.sum(1).clamp(min=1)).mean()
+
+
+class Selections(LMBase):
+    """Pools by computed indices along the sequence: argmax, top-k, index_select, repeat_interleave, unfold."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.score = nn.Linear(DIM, 1)
+        self.cls = nn.Linear(DIM, CLASSES)
+
+    def forward(self, ids, y):
+        x = self.embed(ids)
+        x = x + self.attn(self.ln(x))
+        B, S, _ = x.shape
+        s = self.score(x).squeeze(-1)  # [B, S]
+        if self.kind == "argmax":
+            idx = s.argmax(dim=1)
+            h = x[torch.arange(B), idx] * torch.sigmoid(s.max(dim=1).values)[:, None]
+        elif self.kind == "topk":
+            vals, idx = s.topk(3, dim=1)
+            picked = torch.gather(x, 1, idx[..., None].expand(-1, -1, DIM))
+            h = (picked * vals.softmax(-1)[..., None]).sum(1)
+        elif self.kind == "index_select":
+            idx = (torch.arange(S) * 5 + 3) % S
+            h = x.index_select(1, idx)[:, : S // 2].mean(1)
+        elif self.kind == "repeat_interleave":
+            h = x.repeat_interleave(2, dim=1)[:, 1::3].mean(1)
+        elif self.kind == "unfold":
+            w = x.unfold(1, 4, 2)  # [B, windows, D, 4]
+            h = w.amax(-1).mean(1)
+        elif self.kind == "avgpool":
+            h = F.avg_pool1d(x.transpose(1, 2), 3, stride=2).amax(-1)
+        elif self.kind == "sort":
+            h = x.sort(dim=1).values[:, S // 2]
+        elif self.kind == "diff":
+            h = torch.diff(x, dim=1).abs().mean(1)
+        elif self.kind == "scatter":
+            seg = (torch.arange(S) * 3) // S  # three segments
+            pooled = torch.zeros(B, 3, DIM).index_add(1, seg, x)
+            h = pooled.flatten(1)[:, :DIM]
+        else:  # gram: x^T x contracted over the sequence
+            h = torch.einsum("bsd,bse->bde", x, x).diagonal(dim1=1, dim2=2) / S
+        return F.cross_entropy(self.cls(h), y)
+
+
+class InPlace(LMBase):
+    """In-place updates of activations: a masked position zeroed, a running add, a scaled slice."""
+
+    def forward(self, ids, mask):
+        x = self.embed(ids)
+        x[:, 0] = 0.0
+        x.mul_(mask[..., None])
+        x[:, 1:] += 0.5 * x[:, :-1]
+        x = x + self.attn(self.ln(x))
+        h = x.clone()
+        h[:, -1] *= 2.0
+        return self.lm_loss(h, ids)
+
+
+class MultiOutput(LMBase):
+    """Returns the loss, the hidden states and a pooled vector, as HF's outputs do."""
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        x = x + self.attn(self.ln(x))
+        return self.lm_loss(x, ids), x, x[:, -1] + x.mean(1)
+
+
+BUILDERS: dict[str, Callable[[int], nn.Module]] = {
+    "complex-rope": lambda s: ComplexRope(),
+    "interleaved-rope": lambda s: InterleavedRope(),
+    "einsum-attention": lambda s: EinsumAttention(),
+    "t5-bias": lambda s: T5Bias(),
+    "alibi": lambda s: Alibi(),
+    "opt-positions": lambda s: OptPositions(),
+    "whisper-front": lambda s: WhisperFront(),
+    "rwkv-shift": lambda s: RwkvShift(),
+    "linear-scan": lambda s: LinearAttentionScan(),
+    "batchnorm": lambda s: Norms("batchnorm", s),
+    "instancenorm": lambda s: Norms("instancenorm", s),
+    "groupnorm": lambda s: Norms("groupnorm", s),
+    "layernorm-seq": lambda s: Norms("layernorm", s),
+    "per-seq-loss": lambda s: PerSequenceLoss(),
+    "in-place": lambda s: InPlace(),
+    "multi-output": lambda s: MultiOutput(),
+    **{
+        f"select-{k}": (lambda s, k=k: Selections(k))
+        for k in (
+            "argmax",
+            "topk",
+            "index_select",
+            "repeat_interleave",
+            "unfold",
+            "avgpool",
+            "sort",
+            "diff",
+            "scatter",
+            "gram",
+        )
+    },
+}
+NAMES = list(BUILDERS)
+
+
+def build(name: str, seq: int) -> nn.Module:
+    torch.manual_seed(0)
+    return BUILDERS[name](seq)
+
+
+def inputs(name: str, seq: int = 16, batch: int = 2) -> tuple[torch.Tensor, ...]:
+    if name.startswith("hf-"):
+        return hf_inputs(name, seq, batch)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, VOCAB, (batch, seq), generator=g)
+    y = torch.randint(0, CLASSES, (batch,), generator=g)
+    if name in ("alibi", "opt-positions", "in-place"):
+        mask = torch.ones(batch, seq, dtype=torch.long)
+        mask[0, : seq // 3] = 0  # left padding
+        return ids, (mask.float() if name == "in-place" else mask)
+    if name == "per-seq-loss":
+        m = torch.ones(batch, seq)
+        m[:, : seq // 4] = 0
+        return ids, m
+    if name == "class-conditioned":
+        return ids, y, torch.linspace(0.5, 1.5, batch)
+    if name == "whisper-front":
+        return torch.randn(batch, 8, seq, generator=g), y
+    if name in ("complex-rope", "interleaved-rope", "einsum-attention", "rwkv-shift", "linear-scan", "multi-output"):
+        return (ids,)
+    return ids, y
+
+
+__all__ = ["NAMES", "build", "inputs"]
+
+
+# --- Hugging Face models outside the matrix, from tiny configs (no downloads) --------------------
+
+
+class HF(nn.Module):
+    """An HF model called with ids, labels and (optionally) an attention mask; returns (loss, logits)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.m = model
+
+    def forward(self, ids, labels, mask=None):
+        out = self.m(input_ids=ids, labels=labels, attention_mask=mask)
+        return out.loss, out.logits
+
+
+def _hf(kind: str) -> nn.Module:
+    import transformers as t
+
+    common = dict(vocab_size=VOCAB, use_cache=False, tie_word_embeddings=False)
+    llama_like = dict(
+        hidden_size=DIM,
+        intermediate_size=2 * DIM,
+        num_hidden_layers=2,
+        num_attention_heads=HEADS,
+        max_position_embeddings=64,
+        **common,
+    )
+    if kind == "opt":
+        cfg = t.OPTConfig(
+            hidden_size=DIM,
+            ffn_dim=2 * DIM,
+            num_hidden_layers=2,
+            num_attention_heads=HEADS,
+            word_embed_proj_dim=DIM,
+            max_position_embeddings=64,
+            dropout=0.0,
+            attention_dropout=0.0,
+            **common,
+        )
+        return t.OPTForCausalLM(cfg)
+    if kind == "bloom":
+        cfg = t.BloomConfig(
+            hidden_size=DIM, n_layer=2, n_head=HEADS, hidden_dropout=0.0, attention_dropout=0.0, **common
+        )
+        return t.BloomForCausalLM(cfg)
+    if kind == "falcon":
+        cfg = t.FalconConfig(
+            hidden_size=DIM,
+            num_hidden_layers=2,
+            num_attention_heads=HEADS,
+            new_decoder_architecture=False,
+            multi_query=True,
+            parallel_attn=True,
+            alibi=False,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            **common,
+        )
+        return t.FalconForCausalLM(cfg)
+    if kind == "gptj":
+        cfg = t.GPTJConfig(
+            n_embd=DIM,
+            n_layer=2,
+            n_head=HEADS,
+            rotary_dim=4,
+            n_positions=64,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            **common,
+        )
+        return t.GPTJForCausalLM(cfg)
+    if kind == "codegen":
+        cfg = t.CodeGenConfig(
+            n_embd=DIM,
+            n_layer=2,
+            n_head=HEADS,
+            rotary_dim=4,
+            n_positions=64,
+            n_ctx=64,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            **common,
+        )
+        return t.CodeGenForCausalLM(cfg)
+    if kind == "gpt-bigcode":
+        cfg = t.GPTBigCodeConfig(
+            n_embd=DIM,
+            n_layer=2,
+            n_head=HEADS,
+            n_positions=64,
+            multi_query=True,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            **common,
+        )
+        return t.GPTBigCodeForCausalLM(cfg)
+    if kind == "stablelm":
+        return t.StableLmForCausalLM(t.StableLmConfig(num_key_value_heads=2, partial_rotary_factor=0.5, **llama_like))
+    if kind == "starcoder2":
+        return t.Starcoder2ForCausalLM(t.Starcoder2Config(num_key_value_heads=2, residual_dropout=0.0, **llama_like))
+    if kind == "olmo":
+        return t.OlmoForCausalLM(t.OlmoConfig(num_key_value_heads=2, clip_qkv=8.0, **llama_like))
+    if kind == "gemma":
+        return t.GemmaForCausalLM(t.GemmaConfig(num_key_value_heads=1, head_dim=HD, **llama_like))
+    if kind == "distilbert":
+        cfg = t.DistilBertConfig(
+            dim=DIM,
+            hidden_dim=2 * DIM,
+            n_layers=2,
+            n_heads=HEADS,
+            max_position_embeddings=64,
+            dropout=0.0,
+            attention_dropout=0.0,
+            seq_classif_dropout=0.0,
+            num_labels=CLASSES,
+            vocab_size=VOCAB,
+        )
+        return t.DistilBertForSequenceClassification(cfg)
+    if kind == "t5-encoder":
+        cfg = t.T5Config(
+            d_model=DIM,
+            d_kv=HD,
+            d_ff=2 * DIM,
+            num_layers=2,
+            num_heads=HEADS,
+            dropout_rate=0.0,
+            relative_attention_num_buckets=8,
+            relative_attention_max_distance=32,
+            vocab_size=VOCAB,
+        )
+        return t.T5EncoderModel(cfg)
+    if kind == "modernbert":
+        cfg = t.ModernBertConfig(
+            hidden_size=DIM,
+            intermediate_size=2 * DIM,
+            num_hidden_layers=3,
+            num_attention_heads=HEADS,
+            max_position_embeddings=64,
+            local_attention=8,
+            global_attn_every_n_layers=2,
+            vocab_size=VOCAB,
+            pad_token_id=0,
+            embedding_dropout=0.0,
+            attention_dropout=0.0,
+            mlp_dropout=0.0,
+        )
+        return t.ModernBertForMaskedLM(cfg)
+    raise KeyError(kind)
+
+
+class T5Pool(nn.Module):
+    """T5 encoder (relative-position bias [1, H, S, S]) with a padding mask, mean-pooled into a classifier."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.m = model
+        self.cls = nn.Linear(DIM, CLASSES)
+
+    def forward(self, ids, y, mask):
+        h = self.m(input_ids=ids, attention_mask=mask).last_hidden_state
+        pooled = (h * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
+        return F.cross_entropy(self.cls(pooled), y), h
+
+
+HF_KINDS = (
+    "opt",
+    "bloom",
+    "falcon",
+    "gptj",
+    "codegen",
+    "gpt-bigcode",
+    "stablelm",
+    "starcoder2",
+    "olmo",
+    "gemma",
+    "distilbert",
+    "t5-encoder",
+    "modernbert",
+)
+for _kind in HF_KINDS:
+    BUILDERS[f"hf-{_kind}"] = lambda s, k=_kind: T5Pool(_hf(k)) if k == "t5-encoder" else HF(_hf(k))
+NAMES = list(BUILDERS)
+HF_MASKED = ("hf-opt", "hf-bloom", "hf-t5-encoder", "hf-distilbert")  # called with left/right padding
+
+
+def hf_inputs(name: str, seq: int, batch: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, VOCAB, (batch, seq), generator=g)
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    if name in HF_MASKED:
+        mask[0, : seq // 4] = 0  # left padding (right padding for the encoders makes no difference to them)
+    if name in ("hf-distilbert", "hf-t5-encoder"):
+        y = torch.randint(0, CLASSES, (batch,), generator=g)
+        return (ids, y, mask) if name == "hf-t5-encoder" else (ids, y, mask)
+    labels = ids.clone().masked_fill(mask == 0, -100)
+    labels[-1, seq // 2 + 1] = -100
+    return (ids, labels, mask) if name in HF_MASKED else (ids, labels)
+
+
+class ClassConditioned(nn.Module):
+    """A class embedding from per-example labels added first, so with B == S the [B] labels look like a sequence."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.cond = nn.Embedding(CLASSES, DIM)
+        self.attn = Attn()
+        self.head = nn.Linear(DIM, VOCAB)
+        self.w = nn.Parameter(torch.ones(1))
+
+    def forward(self, ids, y, weights):
+        x = self.cond(y)[:, None, :] + self.embed(ids)
+        x = x + self.attn(x)
+        per_token = F.cross_entropy(self.head(x)[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none")
+        return (per_token.mean(1) * weights * self.w).sum()
+
+
+BUILDERS["class-conditioned"] = lambda s: ClassConditioned()
+NAMES = list(BUILDERS)

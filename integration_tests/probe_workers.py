@@ -1,0 +1,111 @@
+"""Pool task for test_probe_programs: each probe compiled at sp=P and run on one device, compared on every rank."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from cases import caches_off
+from probe_models import build, inputs
+
+import autosp
+
+
+def _scalar(out: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The loss to differentiate: the first output plus every other output against fixed weights."""
+    if isinstance(out, torch.Tensor):
+        return out, [out]
+    g = torch.Generator().manual_seed(7)
+    total = out[0]
+    for o in out[1:]:
+        total = total + (o * torch.randn(o.shape, generator=g, dtype=o.dtype)).sum()
+    return total, list(out)
+
+
+def step(model: Any, args: tuple) -> dict[str, Any]:
+    loss, outs = _scalar(model(*args))
+    loss.backward()
+    params = model._orig_mod if hasattr(model, "_orig_mod") else model
+    return {
+        "outs": [o.detach().clone() for o in outs],
+        "grads": {n: p.grad.clone() for n, p in params.named_parameters() if p.grad is not None},
+        "buffers": {n: b.detach().clone() for n, b in params.named_buffers()},
+    }
+
+
+def differences(got: dict[str, Any], ref: dict[str, Any]) -> list[str]:
+    """What differs, with a tolerance relative to the largest reference value of each kind."""
+    problems = []
+    pairs = [(f"output {i}", g, r) for i, (g, r) in enumerate(zip(got["outs"], ref["outs"]))]
+    if got["grads"].keys() != ref["grads"].keys():
+        problems.append(f"gradients of {sorted(got['grads'])} vs {sorted(ref['grads'])}")
+    scale = max((g.abs().max().item() for g in ref["grads"].values()), default=1.0)
+    pairs += [(f"grad {n}", got["grads"][n], g) for n, g in ref["grads"].items() if n in got["grads"]]
+    pairs += [(f"buffer {n}", got["buffers"][n], b) for n, b in ref["buffers"].items()]
+    for what, g, r in pairs:
+        if g.shape != r.shape:
+            problems.append(f"{what}: shape {tuple(g.shape)} vs {tuple(r.shape)}")
+            continue
+        if not r.is_floating_point():
+            if not torch.equal(g, r):
+                problems.append(f"{what}: differs")
+            continue
+        atol = 1e-5 * (scale if what.startswith("grad") else max(r.abs().max().item(), 1.0))
+        if not torch.allclose(g.double(), r.double(), rtol=1e-4, atol=atol):
+            err = (g.double() - r.double()).abs().max().item()
+            problems.append(f"{what}: max error {err:.3g} (largest {r.abs().max().item():.3g})")
+    return problems
+
+
+def run_probes(
+    rank: int, world: int, probes: list[tuple[str, int, int]], variant: str, backend: str = "aot_eager"
+) -> dict[tuple[str, int, int], dict[str, Any]]:
+    """Per ``(name, seq, batch)``: ``{"problems": [...], "fallbacks": [...]}`` or ``{"error": ...}``."""
+    results: dict[tuple[str, int, int], dict[str, Any]] = {}
+    for name, seq, batch in probes:
+        torch._dynamo.reset()
+        model = build(name, seq)
+        args = inputs(name, seq, batch)
+        ref = step(copy.deepcopy(model), args)
+        try:
+            compiled = autosp.compile(model, backend=backend, fullgraph=True, variant=variant)
+            with caches_off():
+                got = step(compiled, args)
+        except Exception as e:  # noqa: BLE001 - a probe's refusal is a verdict, not a crash of the task
+            kind = "refused" if type(e).__module__.startswith("autosp") or "AutoSP" in type(e).__name__ else "error"
+            results[name, seq, batch] = {"error": f"{kind}: {type(e).__name__}: {str(e)[:1500]}"}
+            continue
+        reports = compiled.autosp_reports
+        results[name, seq, batch] = {
+            "problems": differences(got, ref),
+            "fallbacks": [f for r in reports for f in r.fallbacks],
+            "sharded": [r.seq_len for r in reports],
+        }
+    return results
+
+
+__all__ = ["differences", "run_probes", "step"]
+
+
+def run_lengths(
+    rank: int, world: int, name: str, lengths: list[int], batch: int, variant: str, backend: str = "aot_eager"
+) -> dict[int, Any]:
+    """One compiled model called at several sequence lengths (Dynamo's second shape makes it dynamic)."""
+    torch._dynamo.reset()
+    model = build(name, lengths[0])
+    compiled = autosp.compile(copy.deepcopy(model), backend=backend, fullgraph=True, variant=variant)
+    out: dict[int, Any] = {}
+    for seq in lengths:
+        args = inputs(name, seq, batch)
+        ref_model = copy.deepcopy(model)
+        ref = step(ref_model, args)
+        compiled._orig_mod.zero_grad(set_to_none=True)
+        try:
+            with caches_off():
+                got = step(compiled, args)
+        except Exception as e:  # noqa: BLE001 - a refusal is a verdict
+            out[seq] = {"error": f"{type(e).__name__}: {str(e)[:600]}"}
+            continue
+        out[seq] = {"problems": differences(got, ref), "sharded": [r.seq_len for r in compiled.autosp_reports]}
+    return out
