@@ -406,6 +406,15 @@ def inputs(name: str, seq: int = 16, batch: int = 2) -> tuple[torch.Tensor, ...]
         return ids, m
     if name == "class-conditioned":
         return ids, y, torch.linspace(0.5, 1.5, batch)
+    if name.startswith("torch-mha"):
+        pad = torch.zeros(batch, seq, dtype=torch.bool)
+        pad[0, seq - seq // 4 :] = True  # right padding
+        return ids, pad
+    if name.startswith("loss-"):
+        labels = ids.clone()
+        labels[0, : seq // 3] = -100
+        labels[1, seq // 2 + 1] = -100
+        return ids, labels
     if name == "whisper-front":
         return torch.randn(batch, 8, seq, generator=g), y
     if name in ("complex-rope", "interleaved-rope", "einsum-attention", "rwkv-shift", "linear-scan", "multi-output"):
@@ -637,4 +646,70 @@ class ClassConditioned(nn.Module):
 
 
 BUILDERS["class-conditioned"] = lambda s: ClassConditioned()
+NAMES = list(BUILDERS)
+
+
+class TorchMHA(nn.Module):
+    """``nn.MultiheadAttention`` (batch_first, need_weights as given) with a key padding mask, or ``nn.TransformerEncoder``."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.embed = nn.Embedding(VOCAB, DIM)
+        if kind == "encoder":
+            layer = nn.TransformerEncoderLayer(DIM, HEADS, 2 * DIM, dropout=0.0, batch_first=True, norm_first=True)
+            self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        else:
+            self.mha = nn.MultiheadAttention(DIM, HEADS, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, ids, pad):
+        x = self.embed(ids)
+        S = ids.shape[1]
+        causal = torch.ones(S, S, dtype=torch.bool).triu(1)
+        if self.kind == "encoder":
+            h = self.enc(x, mask=causal, src_key_padding_mask=pad)
+            weights = h.mean(-1)
+        else:
+            h, weights = self.mha(x, x, x, key_padding_mask=pad, attn_mask=causal, need_weights=self.kind == "weights")
+            weights = weights.sum(1) if weights is not None else h.mean(-1)
+        logits = self.head(x + h)[:, :-1]
+        labels = ids[:, 1:].masked_fill(pad[:, 1:], -100)
+        return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1)), weights
+
+
+for _kind in ("weights", "no-weights", "encoder"):
+    BUILDERS[f"torch-mha-{_kind}"] = lambda s, k=_kind: TorchMHA(k)
+NAMES = list(BUILDERS)
+
+
+class LossVariants(LMBase):
+    """Token losses beyond the plain mean: label smoothing, class weights, soft targets, a z-loss, KL to a teacher."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.register_buffer("class_weight", torch.linspace(0.5, 2.0, VOCAB))
+
+    def forward(self, ids, labels):
+        x = self.embed(ids)
+        x = x + self.attn(self.ln(x))
+        logits = self.head(x)[:, :-1].reshape(-1, VOCAB)
+        target = labels[:, 1:].reshape(-1)
+        if self.kind == "smoothing":
+            return F.cross_entropy(logits, target, label_smoothing=0.1)
+        if self.kind == "class-weight":
+            return F.cross_entropy(logits, target, weight=self.class_weight)
+        if self.kind == "soft":
+            soft = F.one_hot(target.clamp(min=0), VOCAB).float() * 0.8 + 0.2 / VOCAB
+            return F.cross_entropy(logits, soft)
+        if self.kind == "z-loss":
+            lse = torch.logsumexp(logits, -1)
+            return F.cross_entropy(logits, target) + 1e-2 * (lse**2).mean()
+        teacher = torch.roll(logits.detach(), 1, 0)
+        return F.kl_div(logits.log_softmax(-1), teacher.log_softmax(-1), log_target=True, reduction="batchmean")
+
+
+for _kind in ("smoothing", "class-weight", "soft", "z-loss", "kl"):
+    BUILDERS[f"loss-{_kind}"] = lambda s, k=_kind: LossVariants(k)
 NAMES = list(BUILDERS)

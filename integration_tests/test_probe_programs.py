@@ -6,7 +6,9 @@ front, RWKV's negative pad, statistics over batch and sequence (BatchNorm) or ov
 (LayerNorm on the sequence axis), per-sequence normalised token losses, selections by computed
 indices (argmax, top-k, a Gram matrix over the sequence), in-place updates of
 activations (once a crash in the backward: ``aten.copy`` has no derivative), several outputs,
-batch 1 and batch == sequence length. Loss, every other output, every parameter's gradient and every buffer are
+batch 1 and batch == sequence length, soft-target cross-entropy (once a crash: a node that
+lowering left without ``meta["val"]``) and label smoothing (an in-place ``masked_fill_`` from
+its decomposition). Loss, every other output, every parameter's gradient and every buffer are
 compared on every rank (probe_workers.differences). One pool of 2 gloo ranks for the file.
 The probes left out here to save time (Hugging Face models, unfold, index_add, ...) are in probe_models.
 """
@@ -37,6 +39,8 @@ PROBES = {
         ("select-argmax", 16, 2),
         ("select-gram", 16, 2),
         ("class-conditioned", 8, 8),
+        ("loss-soft", 16, 2),
+        ("loss-smoothing", 16, 2),
     ],
     "ring": [*COMMON, ("instancenorm", 16, 2), ("select-topk", 16, 3)],
 }

@@ -1120,6 +1120,58 @@ def test_copy_rule_output_is_differentiable() -> None:
     assert torch.equal(out.local, src) and torch.equal(src.grad, torch.ones_like(src))
 
 
+def _one_rank() -> Any:
+    from autosp.sharding.context import SPContext
+
+    return SPContext(rank=0, world=1, group_name="unused", seq_len=S, attention_rule=None)  # type: ignore[arg-type]
+
+
+def test_a_node_without_meta_val_runs_whole() -> None:
+    """Lowering's decompositions can leave nodes without ``meta["val"]`` (soft-target cross-entropy did)."""
+    from autosp.sharding.context import SPValue
+    from autosp.sharding.propagate import evaluate
+
+    graph = torch.fx.Graph()
+    node = graph.call_function(aten.mul.Tensor, (graph.placeholder("x"), graph.placeholder("y")))
+    g = torch.Generator().manual_seed(7)
+    x, y = x3(g), x3(g)
+    out = evaluate(_one_rank(), node, (SPValue(x, Replicate(), x), SPValue(y, Replicate(), y)), {})
+    assert isinstance(out.placement, Replicate) and torch.equal(out.local, x * y) and out.gval.shape == x.shape
+
+
+def _write_then_read(read_after: bool) -> tuple[torch.fx.Node, torch.fx.Node, dict]:
+    """``y = x.masked_fill_(m, 0)``, and ``x + 1`` afterwards if ``read_after``."""
+    graph = torch.fx.Graph()
+    x, m = graph.placeholder("x"), graph.placeholder("m")
+    write = graph.call_function(aten.masked_fill_.Scalar, (x, m, 0.0))
+    last = graph.call_function(aten.add.Tensor, (x if read_after else write, 1.0))
+    graph.output(last)
+    return x, write, {n: i for i, n in enumerate(graph.nodes)}
+
+
+def test_an_in_place_write_read_later_reaches_its_readers_or_is_refused() -> None:
+    """A rule writing into this rank's piece or a gathered copy would hide the write from later readers."""
+    from autosp.errors import AutoSPError
+    from autosp.sharding.context import SPValue
+    from autosp.sharding.propagate import evaluate_in_place, written_and_read_later
+
+    x, write, order = _write_then_read(read_after=False)
+    assert written_and_read_later(write, order) == []  # read only through the op's result: any rule is exact
+    x, write, order = _write_then_read(read_after=True)
+    assert written_and_read_later(write, order) == [x]
+    g = torch.Generator().manual_seed(8)
+    whole, m = x3(g), mask(g, B, S, D)
+    expected = whole.masked_fill(m, 0.0)
+    env = {x: SPValue(whole, Replicate(), whole)}
+    args = (env[x], SPValue(m, Replicate(), m), 0.0)
+    out = evaluate_in_place(_one_rank(), write, args, {}, [x], env)
+    assert torch.equal(out.local, expected) and torch.equal(env[x].local, expected)  # the reader sees the write
+    piece = SPValue(whole, Shard(SeqAxis(1, S), (((0, S),),)), whole)
+    env = {x: piece}
+    with pytest.raises(AutoSPError, match="writes in place into x"):
+        evaluate_in_place(_one_rank(), write, (piece, SPValue(m, Replicate(), m), 0.0), {}, [x], env)
+
+
 def test_every_rule_has_a_case() -> None:
     covered = {c.op for c in CASES}
     missing = sorted(str(op) for op in RULES if op not in covered)

@@ -17,6 +17,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
+from autosp.errors import AutoSPError
 from autosp.sharding import collectives as C
 from autosp.sharding.context import SPContext, SPValue
 from autosp.sharding.dims import guess_seq_dim
@@ -52,6 +53,55 @@ def normalize_inputs(ctx: SPContext, node: torch.fx.Node, fn: Rule, args: tuple,
         return v
 
     return pytree.tree_map(fix, (args, kwargs), is_leaf=lambda x: isinstance(x, SPValue))
+
+
+def _aliases(n: torch.fx.Node) -> list[torch.fx.Node]:
+    """``n`` and the values it is a view of: a write into ``n`` changes all of them."""
+    chain = [n]
+    while isinstance(n.target, torch._ops.OpOverload) and n.args and isinstance(n.args[0], torch.fx.Node):
+        returns = n.target._schema.returns
+        if not returns or returns[0].alias_info is None or returns[0].alias_info.is_write:
+            break
+        n = n.args[0]
+        chain.append(n)
+    return chain
+
+
+def written_and_read_later(node: torch.fx.Node, order: dict[torch.fx.Node, int]) -> list[torch.fx.Node]:
+    """The arguments an in-place op writes into that some later node reads (itself or through a view)."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or not target._schema.is_mutable:
+        return []
+    schema_args = target._schema.arguments
+    written = []
+    for i, arg in enumerate(node.args):
+        info = schema_args[i].alias_info if i < len(schema_args) else None
+        if info is not None and info.is_write and isinstance(arg, torch.fx.Node):
+            chain = _aliases(arg)
+            if any(u is not node and order[u] > order[node] for a in chain for u in a.users):
+                written.append(arg)
+    return written
+
+
+def evaluate_in_place(
+    ctx: SPContext, node: torch.fx.Node, args: tuple, kwargs: dict, written: list[torch.fx.Node], env: dict
+) -> Any:
+    """An in-place op (lowering leaves some, from decompositions) whose write later nodes read.
+
+    A rule would write into this rank's pieces or a gathered copy, not into the value the later
+    readers get. A whole (``Replicate``) value that is no view is the very tensor they read, so
+    the op runs whole on it (``fallback``) and the write reaches them; anything else is refused.
+    """
+    for arg in written:
+        v = env[arg]
+        if len(_aliases(arg)) > 1 or (isinstance(v, SPValue) and not isinstance(v.placement, Replicate)):
+            where = "a view" if len(_aliases(arg)) > 1 else f"{v.placement} (not whole on every rank)"
+            raise AutoSPError(
+                f"{node.name} ({node.target}) writes in place into {arg.name}, {where}, which later nodes read: "
+                "the write would reach only this rank's copy. Write the update out of place "
+                "(x = x.masked_fill(m, 0) instead of x.masked_fill_(m, 0))"
+            )
+    return fallback(ctx, node, args, kwargs)
 
 
 def evaluate(ctx: SPContext, node: torch.fx.Node, args: tuple, kwargs: dict) -> Any:
@@ -109,6 +159,7 @@ def shard_graph(
 ) -> torch.fx.GraphModule:
     """The graph this rank runs; ``gm`` is the lowered, functional aten graph."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
 
     def run(*inputs: Any) -> Any:
         ctx.outputs.clear()
@@ -119,7 +170,11 @@ def shard_graph(
         for node in gm.graph.nodes:
             if node.op == "call_function":
                 args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
-                env[node] = evaluate(ctx, node, args, kwargs)
+                written = written_and_read_later(node, order)
+                if written:
+                    env[node] = evaluate_in_place(ctx, node, args, kwargs, written, env)
+                else:
+                    env[node] = evaluate(ctx, node, args, kwargs)
             elif node.op == "output":
                 outs = torch.fx.node.map_arg(node.args[0], lambda n: env[n])
                 return pytree.tree_map(lambda v: finish(ctx, v), outs, is_leaf=lambda x: isinstance(x, SPValue))
@@ -137,4 +192,4 @@ def shard_graph(
         return make_fx(run, pre_dispatch=False)(*fake_inputs)
 
 
-__all__ = ["evaluate", "finish", "shard_graph"]
+__all__ = ["evaluate", "evaluate_in_place", "finish", "shard_graph", "written_and_read_later"]

@@ -71,8 +71,13 @@ def wrap(out: Any, gval: Any, placement_of: Callable[[int, torch.Tensor], Any]) 
 
 
 def replicated(ctx: SPContext, node: torch.fx.Node, args: tuple, kwargs: dict, axis: SeqAxis | None = None) -> Any:
-    """Run the op on whole values; the result is replicated."""
-    return wrap(call(node, args, kwargs), node.meta["val"], lambda _i, _g: Replicate(axis))
+    """Run the op on whole values; the result is replicated.
+
+    A node that lowering left without ``meta["val"]`` (a decomposition's) gets its local
+    result as its global value: run on whole values, the two are the same.
+    """
+    out = call(node, args, kwargs)
+    return wrap(out, node.meta.get("val", out), lambda _i, _g: Replicate(axis))
 
 
 def fallback(ctx: SPContext, node: torch.fx.Node, args: tuple, kwargs: dict) -> Any:
