@@ -18,19 +18,20 @@ def make_batch(seq: int = 32, batch: int = 2) -> dict[str, torch.Tensor]:
     return {"ids": ids, "labels": labels}
 
 
-def pipelined(rank: int, world: int, names: list[str], backend: str, chunks: int) -> dict[str, Any]:
-    """Loss, gradients, collective counts and overlap lines of each model compiled with ``ulysses_chunks``."""
+def pipelined(rank: int, world: int, runs: list[tuple[str, Any]], backend: str, chunks: int) -> dict[str, Any]:
+    """Per (model, sac) run: loss, gradients, collective counts and overlap lines, compiled with ``ulysses_chunks``."""
     batch = make_batch()
     results = {}
-    for name in names:
+    for name, sac in runs:
         compiled = autosp.compile(
-            build(name), backend=backend, fullgraph=True, variant_options={"ulysses_chunks": chunks}
+            build(name), backend=backend, fullgraph=True, sac=sac, variant_options={"ulysses_chunks": chunks}
         )
         with caches_off():  # a cache hit would skip the passes and their report lines
             out = step(compiled, name, batch)
         report = compiled.autosp_reports[0]
         out["collectives"] = dict(report.collectives)
         out["overlap"] = [n for n in report.notes if n.startswith("overlap ")]
+        out["sac"] = dict(report.sac)
         out["layers"] = len(report.sites)
-        results[name] = out
+        results[f"{name} sac={sac}"] = out
     return results

@@ -2,10 +2,11 @@
 
     python tools/scripts/overlap_trace.py [--seq 4096] [--layers 4] [--steps 3] [--backends aot_eager,inductor]
 
-For each backend, the Llama-style model of ``autosp.testing`` is compiled twice on the same two
-ranks: overlap off (``ulysses_chunks=1`` and the overlap passes disabled: every all-to-all waited
-on at once, as before) and on (``ulysses_chunks=2``, the passes on). Steps of the two alternate,
-so both see the same machine load. One profiled step of each gives:
+For each backend, the Llama-style model of ``autosp.testing`` is compiled once per mode on the same
+two ranks: ``off`` (``ulysses_chunks=1`` and the overlap passes disabled: every all-to-all waited
+on at once, as before), ``on`` (``ulysses_chunks=2``, the passes on) and, with ``--modes
+off,pass,on``, ``pass`` (the passes alone). Steps of the modes alternate, so all see the same
+machine load. One profiled step of each gives:
 
 * in flight: time between each exchange's start (``autosp::all_to_all``) and the end of its wait
   (``autosp::wait_exchange``), summed over exchanges;
@@ -33,8 +34,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 COMPUTE = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "scaled_dot_product", "attention")
-OFF = {"variant_options": {"ulysses_chunks": 1}, "disable_passes": ("autosp.overlap", "autosp.overlap_backward")}
-ON = {"variant_options": {"ulysses_chunks": 2}}
+MODES = {
+    "off": {"variant_options": {"ulysses_chunks": 1}, "disable_passes": ("autosp.overlap", "autosp.overlap_backward")},
+    "pass": {"variant_options": {"ulysses_chunks": 1}},  # the overlap passes alone, one head group
+    "on": {"variant_options": {"ulysses_chunks": 2}},
+}
 
 
 def _intervals(prof: Any) -> tuple[list[tuple[float, float]], list[tuple[float, float]], list[tuple[float, float]]]:
@@ -125,33 +129,36 @@ def _rank(rank: int, world: int, store_path: str, out: str, args: argparse.Names
         lines = []
         for backend in args.backends.split(","):
             models = {}
-            for mode, opts in (("off", OFF), ("on", ON)):
+            modes = args.modes.split(",")
+            for mode in modes:
+                opts = MODES[mode]
                 torch.manual_seed(0)
                 models[mode] = autosp.compile(LlamaLike(cfg), backend=backend, sac=False, fullgraph=True, **opts)
                 _step(models[mode], ids)  # compile and warm up
-            times: dict[str, list[float]] = {"off": [], "on": []}
+            times: dict[str, list[float]] = {m: [] for m in modes}
             for _ in range(args.steps):
-                for mode in ("off", "on"):
+                for mode in modes:
                     dist.barrier()
                     t0 = time.perf_counter()
                     _step(models[mode], ids)
                     times[mode].append(time.perf_counter() - t0)
             stats = {}
-            for mode in ("off", "on"):
+            for mode in modes:
                 dist.barrier()
                 stats[mode] = _measure(models[mode], ids)
                 if args.trace and rank == 0:
                     Path(args.trace).mkdir(parents=True, exist_ok=True)
                     stats[mode]["prof"].export_chrome_trace(str(Path(args.trace) / f"{backend}-{mode}.json"))
-            for mode in ("off", "on"):
+            for mode in modes:
                 s = stats[mode]
                 lines.append(
-                    f"{backend:9s} overlap {mode:3s}: step {statistics.median(times[mode]) * 1e3:8.1f} ms (median of "
+                    f"{backend:9s} {mode:4s}: step {statistics.median(times[mode]) * 1e3:8.1f} ms (median of "
                     f"{args.steps}), {s['exchanges']:3d} exchanges, in flight {s['in_flight_ms']:7.1f} ms, "
                     f"matmul/attention inside {s['overlapped_ms']:7.1f} ms, blocked in waits {s['blocked_ms']:7.1f} ms"
                 )
-            ratio = statistics.median(times["on"]) / statistics.median(times["off"])
-            lines.append(f"{backend:9s} step time on/off: {ratio:.3f}")
+            base = statistics.median(times[modes[0]])
+            ratios = ", ".join(f"{m} {statistics.median(times[m]) / base:.3f}" for m in modes[1:])
+            lines.append(f"{backend:9s} step time relative to {modes[0]}: {ratios}")
         Path(out, f"{rank}.txt").write_text("\n".join(lines))
     finally:
         dist.destroy_process_group()
@@ -166,8 +173,16 @@ def main() -> int:
     ap.add_argument("--kv-heads", type=int, default=4)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--backends", default="aot_eager,inductor")
+    ap.add_argument(
+        "--modes",
+        default="off,on",
+        help="off: one head group, no overlap pass (as before); pass: the overlap passes alone; on: 2 head groups",
+    )
     ap.add_argument("--trace", default=None, help="directory for rank 0's Chrome traces")
     args = ap.parse_args()
+    unknown = [m for m in args.modes.split(",") if m not in MODES]
+    if unknown or not args.modes:
+        ap.error(f"--modes: unknown {unknown}; choose from {sorted(MODES)}")
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(
             _rank, args=(2, os.path.join(tmp, "store"), tmp, args), nprocs=2, start_method="spawn", join=True
