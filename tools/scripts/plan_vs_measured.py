@@ -40,8 +40,8 @@ def main() -> int:
                 case = Case(model, seq=seq, sp=sp, sac=sac == "on")
                 start = time.perf_counter()
                 try:
-                    p = predict(case)
                     m = launch(measure, case)
+                    p = predict(case, threads=m["threads"])
                 except Exception as e:  # noqa: BLE001 - a failed point is a row, the sweep goes on
                     print(f"| {sp} | {seq} | {sac} | error: {type(e).__name__}: {str(e).splitlines()[0][:200]} |")
                     bad += 1

@@ -12,7 +12,16 @@ from autosp_tools.launch import launch
 from autosp_tools.plan.api import plan
 from autosp_tools.plan.capture import Mode
 from autosp_tools.plan.layout import Layout, state_bytes
-from autosp_tools.plan.measure import TINY, Case, measure, predict, shipped_model
+from autosp_tools.plan.measure import (
+    TINY,
+    Case,
+    CollectiveCase,
+    collective_peaks,
+    measure,
+    measure_fake_world,
+    predict,
+    shipped_model,
+)
 from autosp_tools.plan.models import resolve_model
 from autosp_tools.plan.planner import search_max_seq
 
@@ -24,11 +33,38 @@ def test_prediction_matches_a_real_two_rank_run():
     tools/scripts/plan_vs_measured.py runs the full sweep (S 2k-16k, P 1/2/4, SAC off and on).
     """
     case = Case(TINY, seq=2048, sp=2, sac=False)
-    predicted = predict(case)
     measured = launch(measure, case)
+    predicted = predict(case, threads=measured["threads"])
     assert measured["saved_bytes"] > 0 and measured["peak_bytes"] > 0
     assert predicted["saved_bytes"] == pytest.approx(measured["saved_bytes"], rel=0.10)
     assert predicted["peak_bytes"] == pytest.approx(measured["peak_bytes"], rel=0.20)
+
+
+def test_prediction_matches_the_peak_where_fixed_buffers_dominate():
+    """P=4, a short sequence, SAC on: little is saved, so what is not an activation sets the peak.
+
+    Rank 0 runs for real (its collectives allocate their real buffers; the other ranks are a fake
+    group), its peak read from the allocator. It is reached inside the CPU attention backward, whose
+    per-thread score blocks (2 x 256 x 512 fp32 per thread) outweigh the activations here; the
+    exchange's send buffer, held until its wait, and the gradient bucket count too. A planner
+    without them predicted 0.59 of this peak; the model is exact up to the allocator's few-byte
+    scalars, hence the 5%.
+    """
+    case = Case(TINY, seq=1024, sp=4, sac=True)
+    measured = measure_fake_world(case)
+    predicted = predict(case, threads=measured["threads"])
+    assert predicted["saved_bytes"] == pytest.approx(measured["saved_bytes"], rel=0.10)
+    assert predicted["peak_bytes"] == pytest.approx(measured["peak_bytes"], rel=0.05)
+
+
+def test_collective_buffers_match_the_implementation():
+    """What the walk counts for each AutoSP collective (result and buffers inside the op) is what the
+    allocator holds when the op runs alone on 2 real gloo ranks: a stale ``collective_memory`` fails here."""
+    peaks = launch(collective_peaks, CollectiveCase(2))
+    assert len(peaks) == 6
+    for label, (walked, measured) in peaks.items():
+        assert measured > 0, label
+        assert walked == pytest.approx(measured, rel=0.01, abs=256), label
 
 
 def test_layer_scaling_matches_the_whole_model():

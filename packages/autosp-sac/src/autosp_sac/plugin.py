@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from autosp import Pass, Stage, hookimpl
 from autosp_sac.audit import audit_backward, audit_forward
+from autosp_sac.order import free_early
 from autosp_sac.policy import attention_ops, tag
 
 
@@ -40,8 +41,19 @@ AUDIT_PASS = Pass(
 )
 
 
+FREE_EARLY_PASS = Pass(
+    "sac.free_early",
+    Stage.BACKWARD,
+    free_early,
+    after=("autosp.dce_backward", "autosp.overlap_backward", "sac.audit_backward"),
+    applies=_sac_on,
+    doc="matmuls that last read a large activation move up to their inputs, so it is freed sooner",
+)
+
+
 @hookimpl
 def autosp_register_passes(register):
     register(SAC_PASS)
     register(FORWARD_AUDIT_PASS)
     register(AUDIT_PASS)
+    register(FREE_EARLY_PASS)

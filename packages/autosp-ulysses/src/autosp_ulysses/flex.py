@@ -37,9 +37,9 @@ def _shift_head(fn: Callable[..., Any], index: int, offset: int) -> Callable[...
     """``fn`` with its head argument (position ``index``) shifted from local to global heads."""
 
     def shifted(*args: Any) -> Any:
-        args = list(args)
-        args[index] = args[index] + offset
-        return fn(*args)
+        moved = list(args)
+        moved[index] = moved[index] + offset
+        return fn(*moved)
 
     return shifted
 

@@ -37,7 +37,9 @@ class Mode:
 
     ``backend`` decides the partitioner as AutoSP's compile does: "inductor" always partitions by
     min-cut; "aot_eager" uses AOT's default partitioner unless a pass (SAC) asks for min-cut.
-    Hand-written Ulysses keeps activations as eager does: SAC off, "aot_eager".
+    ``handwritten``: a program written by hand (hand-written Ulysses, or no SP) that keeps and frees
+    activations as eager autograd does; it is traced as SAC off with "aot_eager" (AOT's default
+    partitioner keeps what eager keeps).
     """
 
     name: str
@@ -46,10 +48,12 @@ class Mode:
     backend: str = "inductor"
     variant_options: tuple[tuple[str, Any], ...] = ()
     hardware: str | None = None  # the profile core's cost models read (variant="auto")
+    handwritten: bool = False
 
     @property
-    def handwritten(self) -> bool:
-        return self.sac is False and self.backend == "aot_eager"
+    def holds_backward_inputs(self) -> bool:
+        """AutoSP compiled by "aot_eager": its backward holds the saved tensors until it returns."""
+        return self.backend == "aot_eager" and not self.handwritten
 
 
 @dataclass

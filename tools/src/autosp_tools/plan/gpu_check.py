@@ -205,7 +205,7 @@ def plan_vs_measured(device: str, quick: bool) -> dict[str, Any]:
     for sp in (8,) if quick else (1, 8):
         for seq in seqs:
             for sac in (False, True):
-                # Inductor on the GPU (what users run); aot_eager on the CPU, where the peak is read by MemTracker.
+                # Inductor on the GPU (what users run); aot_eager on the CPU (compiling is cheaper there).
                 case = Case(
                     model,
                     seq=seq * (sp if sp > 1 else 1),

@@ -10,8 +10,11 @@ says the result aliases an input) or a ``getitem`` of a multi-output op: those k
 base alive instead. A base is freed after its last use (any alias's), unless it is an output
 of that graph. The forward's outputs beyond the user's are what the backward keeps (the
 saved bytes); the walk carries them into the backward, where each is freed after its last
-use there (what Inductor's code and AOT's boxed calling convention do). Gradients, the
-backward's outputs, stay allocated to the end of the step.
+use there (what Inductor's code and eager autograd do), or when the backward returns (a
+backward compiled by "aot_eager": see ``graph_stats``). Gradients, the backward's outputs,
+stay allocated to the end of the step. AutoSP's collectives allocate more than their results
+inside their ops (``collective_memory``), and so do attention kernels (``kernel_memory``); a
+functional collective's wait is an alias.
 """
 
 from __future__ import annotations
@@ -27,6 +30,10 @@ import torch
 from torch import fx
 
 from autosp.sharding.collectives import COLLECTIVE_OPS
+from autosp_tools.plan import collective_memory, kernel_memory
+from autosp_tools.plan.runtime import GPU, Runtime
+from autosp_tools.plan.sizes import expr as _expr
+from autosp_tools.plan.sizes import shape_exprs, tensor_bytes
 
 aten = torch.ops.aten
 MATMULS = frozenset({aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default})
@@ -34,31 +41,15 @@ MATMULS = frozenset({aten.mm.default, aten.addmm.default, aten.bmm.default, aten
 ATTENTION_BACKWARD_FACTOR = 2.5
 
 
-def _expr(x: Any) -> sympy.Expr:
-    if isinstance(x, torch.SymInt):
-        return sympy.sympify(x.node.expr)
-    return sympy.Integer(int(x))
-
-
-def tensor_bytes(val: Any) -> sympy.Expr:
-    """Bytes of a fake tensor, or of the tensors in a tuple of them (0 for anything else)."""
-    if isinstance(val, torch.Tensor):
-        numel = sympy.Integer(1)
-        for s in val.shape:
-            numel *= _expr(s)
-        return numel * val.element_size()
-    if isinstance(val, (tuple, list)):
-        return sympy.Add(*[tensor_bytes(v) for v in val]) if val else sympy.Integer(0)
-    return sympy.Integer(0)
-
-
 def _shape(node: Any) -> list[sympy.Expr]:
-    val = node.meta.get("val") if isinstance(node, fx.Node) else None
-    return [_expr(s) for s in val.shape] if isinstance(val, torch.Tensor) else []
+    return shape_exprs(node.meta.get("val") if isinstance(node, fx.Node) else None)
 
 
 def _is_view(node: fx.Node) -> bool:
-    """Whether the result aliases its first input (a view op, or an element of a view op's list)."""
+    """Whether the result aliases its first input (a view op, an element of a view op's list, or a
+    functional collective's wait, which returns the tensor it waited on)."""
+    if collective_memory.is_alias(node):
+        return True
     if node.target is operator.getitem:
         src = node.args[0]
         return isinstance(src, fx.Node) and src.op == "call_function" and _is_view(src)
@@ -117,16 +108,12 @@ def collective_kind(node: fx.Node) -> str | None:
     return None
 
 
-# Bytes an AutoSP collective holds while it runs besides its output, in outputs (its send and receive
-# buffers: see autosp.sharding.collectives).
-_STAGED = {op: 2 for op in COLLECTIVE_OPS if op._opname in ("all_to_all", "all_gather")}
-
-
 @dataclass
 class Timeline:
     """Allocation (+) and free (-) events of one graph, as indices into an expression table."""
 
     events: list[tuple[int, int, bool]] = field(default_factory=list)  # (sign, expression index, is a gradient)
+    labels: list[str] = field(default_factory=list)  # the node of each event, for explaining a peak
 
 
 class ExprTable:
@@ -263,47 +250,87 @@ def _bases(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
     return base
 
 
+def _reads_size_only(node: fx.Node) -> bool:
+    return node.op == "call_function" and str(node.target).startswith(
+        ("aten.sym_size", "aten.sym_stride", "aten.sym_numel")
+    )
+
+
 def _timeline(
     gm: fx.GraphModule,
     table: ExprTable,
     counted: Callable[[fx.Node], bool],
     carried: dict[fx.Node, int],
     grads: bool = False,
+    hold_inputs: bool = False,
+    runtime: Runtime = GPU,
 ) -> Timeline:
     """Events of one graph. ``counted`` says which placeholders hold bytes of this step; ``carried`` maps
-    those already live (allocated by the forward) to their expression index: freed here, never allocated."""
+    those already live (allocated by the forward) to their expression index: freed here, never allocated.
+    ``hold_inputs``: the graph's inputs stay referenced until it returns (see ``graph_stats``)."""
     nodes = list(gm.graph.nodes)
     base = _bases(gm)
     outputs = {base[o] for o in gm.graph.output_node().all_input_nodes}
     last: dict[fx.Node, int] = {}
     for i, node in enumerate(nodes):
+        if _reads_size_only(node):
+            # Traced with the length symbolic, the graph reads sizes off tensors (aten.sym_size) where
+            # the real, static-shape graph has constants: such a read keeps no tensor alive there.
+            continue
         for arg in node.all_input_nodes:
             last[base[arg]] = max(last.get(base[arg], -1), i)
     frees: dict[int, list[fx.Node]] = defaultdict(list)
     for b, i in last.items():
-        if b not in outputs:
-            frees[i].append(b)
+        if b in outputs or (hold_inputs and b.op == "placeholder"):
+            continue
+        frees[i].append(b)
     owned: dict[fx.Node, int] = {}
+    at_wait: dict[fx.Node, list[int]] = defaultdict(list)  # buffers a start keeps until this wait returns
     t = Timeline()
+
+    def event(sign: int, index: int, node: fx.Node, is_grad: bool = False) -> None:
+        t.events.append((sign, index, is_grad))
+        t.labels.append(node.name)
+
     for i, node in enumerate(nodes):
         if node.op == "placeholder" and counted(node):
             owned[node] = carried[node] if node in carried else table.add(tensor_bytes(node.meta.get("val")))
             if node not in carried:
-                t.events.append((1, owned[node], False))
-        elif node.op == "call_function" and base[node] is node and not isinstance(node.meta.get("val"), (tuple, list)):
+                event(1, owned[node], node)
+        elif node.op == "call_function" and isinstance(node.meta.get("val"), (tuple, list)):
             # A multi-output op's tensors are allocated by its getitems: outputs nobody reads are not counted.
-            if node.target in _STAGED:
-                # AutoSP's collectives stage through a send and a receive buffer of the output's size.
-                staging = table.add(_STAGED[node.target] * tensor_bytes(node.meta.get("val")))
-                t.events += [(1, staging, False), (-1, staging, False)]
+            # Its scratch is live while it runs, with all its outputs.
+            extra = kernel_memory.scratch(node, runtime)
+            if extra != 0:
+                moment = table.add(extra + tensor_bytes(node.meta.get("val")))
+                event(1, moment, node)
+                event(-1, moment, node)
+        elif node.op == "call_function" and base[node] is node:
+            inside = collective_memory.buffers(node, runtime.comm_backend)
+            extra = inside.transient + kernel_memory.scratch(node, runtime)
+            transient = table.add(extra) if extra != 0 else None
+            if transient is not None:
+                event(1, transient, node)
             owned[node] = table.add(tensor_bytes(node.meta.get("val")))
             # The backward's outputs are the gradients: they stay to the end of the step.
-            t.events.append((1, owned[node], grads and node in outputs))
-            if not node.users and node not in outputs:
-                t.events.append((-1, owned[node], False))
+            event(1, owned[node], node, grads and node in outputs)
+            if transient is not None:
+                event(-1, transient, node)
+            waits = [u for u in node.users if u.target in collective_memory.WAIT_OPS]
+            if inside.held != 0 and waits:
+                at_wait[waits[0]].append(table.add(inside.held))
+                event(1, at_wait[waits[0]][-1], node)
+            for held in at_wait.pop(node, ()):
+                event(-1, held, node)
+            if node not in last and node not in outputs:  # nothing reads it (a size read does not count)
+                event(-1, owned[node], node)
         for b in frees.get(i, ()):
             if b in owned:
-                t.events.append((-1, owned[b], False))
+                event(-1, owned[b], b)
+    if hold_inputs:
+        for node in nodes:
+            if node.op == "placeholder" and node in owned and node not in outputs:
+                event(-1, owned[node], node)
     return t
 
 
@@ -352,10 +379,25 @@ def ring_flops(node: fx.Node, ring: int) -> sympy.Expr:
 
 
 def graph_stats(
-    forward: fx.GraphModule, backward: fx.GraphModule, num_user_outputs: int, param_inputs: set[int], ring: int = 1
+    forward: fx.GraphModule,
+    backward: fx.GraphModule,
+    num_user_outputs: int,
+    param_inputs: set[int],
+    ring: int = 1,
+    *,
+    hold_backward_inputs: bool = False,
+    runtime: Runtime = GPU,
 ) -> GraphStats:
     """Statistics of one partitioned pair. ``param_inputs``: forward placeholder positions that are
-    parameters; ``ring``: ranks in a ring-attention group (its traffic is inside an opaque op)."""
+    parameters; ``ring``: ranks in a ring-attention group (its traffic is inside an opaque op).
+
+    ``hold_backward_inputs``: the saved tensors stay allocated until the backward returns instead of
+    after their last use. AOT calls a backward compiled by "aot_eager" through ``make_boxed_func``,
+    whose argument list references every input for the whole call; Inductor's code clears that list
+    and frees each input after its last use, and eager autograd frees a node's saved tensors once
+    it has run. ``runtime``: the device and threads the program runs with, which buffers inside
+    collectives and kernels depend on (see ``collective_memory`` and ``kernel_memory``).
+    """
     table = ExprTable(_seq_symbol(forward))
     fwd_placeholders = [n for n in forward.graph.nodes if n.op == "placeholder"]
     params = {fwd_placeholders[i] for i in param_inputs if i < len(fwd_placeholders)}
@@ -369,7 +411,7 @@ def graph_stats(
             and n.meta["val"].is_floating_point()
             and not tensor_bytes(n.meta["val"]).free_symbols
         }
-    fwd_t = _timeline(forward, table, lambda n: False, {})
+    fwd_t = _timeline(forward, table, lambda n: False, {}, runtime=runtime)
     fwd_base = _bases(forward)
     outs = forward.graph.output_node().args[0]
     saved_nodes = [o for o in outs[num_user_outputs:] if isinstance(o, fx.Node)]
@@ -387,7 +429,15 @@ def graph_stats(
         saved += bytes_
         if b.op != "placeholder":  # inputs (token ids) were never allocated by the walk
             carried[bwd_node] = table.add(bytes_)
-    bwd_t = _timeline(backward, table, lambda n: n in carried, carried, grads=True)
+    bwd_t = _timeline(
+        backward,
+        table,
+        lambda n: n in carried,
+        carried,
+        grads=True,
+        hold_inputs=hold_backward_inputs,
+        runtime=runtime,
+    )
     comm: dict[str, list[sympy.Expr]] = defaultdict(list)
     mm = attn = sympy.Integer(0)
     fwd_mm = fwd_attn = fwd_a2a = sympy.Integer(0)

@@ -2,10 +2,18 @@
 
 Each rank compiles the shipped Llama-style model (``autosp_tools.model``, built-in implementation)
 with AutoSP and runs a step to compile, then one step under ``saved_tensors_hooks`` (distinct
-storages saved for backward, parameters excluded, as ``autosp-bench`` measures) and one under
-PyTorch's ``MemTracker`` (peak bytes allocated during the step beyond what existed before it:
-activations, temporaries and the gradients as they appear). On CUDA the peak is also read from
-``torch.cuda.max_memory_allocated`` minus what was allocated before the step.
+storages saved for backward, parameters excluded, as ``autosp-bench`` measures) and one whose peak
+is read from the allocator: the most bytes it held during the step above what it held when the
+step began (activations, temporaries, buffers inside custom ops and collectives, and the gradients
+as they appear; not the parameters or inputs, which existed before). On CUDA that is
+``torch.cuda.max_memory_allocated`` minus ``memory_allocated`` before the step; on the CPU the same
+quantity replayed from the profiler's allocation and free events. Both mean what the plan's step
+peak means.
+
+(The CPU peak was once read by PyTorch's ``MemTracker``, which disagrees with both: it counts the
+storage of any tensor an op returns, so parameters appear when a view of them (``aten.t`` of a
+weight) is taken and the token ids when sliced, while tensors allocated inside a custom op, such
+as a collective's send buffer, are never seen.)
 """
 
 from __future__ import annotations
@@ -59,17 +67,27 @@ def shipped_model(layers: int = SHIPPED.layers, config: ModelConfig = SHIPPED) -
     return model
 
 
-def _tracker() -> Any:
-    """PyTorch's MemTracker, declared an infrastructure mode: Dynamo runs compiled code only when no
-    user dispatch mode is active, and the tracker must see the compiled graphs' own allocations."""
-    from torch.distributed._tools.mem_tracker import MemTracker
+def cpu_peak(step: Any) -> int:
+    """Most bytes the CPU allocator held during ``step()`` above what it held before it.
 
-    class CompiledMemTracker(MemTracker):
-        @classmethod
-        def is_infra_mode(cls) -> bool:
-            return True
+    Replayed from ``torch.profiler``'s memory events (every allocation and free of the allocator,
+    in order), as ``torch.cuda.max_memory_allocated`` counts on CUDA.
+    """
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
 
-    return CompiledMemTracker()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = [
+        e
+        for e in prof.profiler.kineto_results.events()  # type: ignore[union-attr]
+        if e.name() == "[memory]" and e.device_type() == DeviceType.CPU
+    ]
+    held = peak = 0
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        held += e.nbytes()
+        peak = max(peak, held)
+    return peak
 
 
 def _saved_bytes(step: Any, params: list[torch.Tensor]) -> int:
@@ -125,7 +143,7 @@ def measure(case: Case, rank: int, world: int) -> dict[str, Any]:
         model.zero_grad(set_to_none=True)
     saved = _saved_bytes(step, list(model.parameters()))
     model.zero_grad(set_to_none=True)
-    result: dict[str, Any] = {"saved_bytes": saved}
+    result: dict[str, Any] = {"saved_bytes": saved, "threads": torch.get_num_threads()}
     if times:
         result["step_s"] = statistics.median(times)
     if device.type == "cuda":
@@ -137,10 +155,8 @@ def measure(case: Case, rank: int, world: int) -> dict[str, Any]:
         result["peak_bytes"] = torch.cuda.max_memory_allocated(device) - base
         model.zero_grad(set_to_none=True)
     else:
-        tracker = _tracker()
-        with tracker:
-            step()
-        result["peak_bytes"] = tracker.get_tracker_snapshot("peak")[device]["Total"]
+        result["peak_bytes"] = cpu_peak(step)
+        model.zero_grad(set_to_none=True)
     return result
 
 
@@ -154,17 +170,83 @@ def measure_fake_world(case: Case) -> dict[str, Any]:
         return measure(replace(case, extra={**case.extra, "fake_world": True}), 0, case.sp)
 
 
+@dataclass(frozen=True)
+class CollectiveCase:
+    """AutoSP's collectives called one by one on ``nproc`` real ranks (see ``collective_peaks``)."""
+
+    nproc: int = 2
+
+
+def collective_peaks(case: CollectiveCase, rank: int, world: int) -> dict[str, tuple[int, int]]:
+    """Per collective call, (the walk's peak, the allocator's peak) of running it alone on real tensors.
+
+    Each call is traced with ``make_fx`` on fake tensors and walked as the plan walks a graph (its
+    inputs exist before, its result and what its implementation allocates besides are counted);
+    then it runs for real under ``cpu_peak``. A difference means ``collective_memory`` no longer
+    describes ``autosp.sharding.collectives``.
+    """
+    import torch.distributed as dist
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from autosp_tools.plan.graphstats import ExprTable, _timeline
+    from autosp_tools.plan.runtime import Runtime
+
+    ops = torch.ops.autosp
+    group = dist.group.WORLD
+    assert group is not None
+    name = group.group_name
+    x = torch.randn(3, 8 * world, 4, 16)  # [B, S, H, D] with a leading dim > 1: moving dims copies
+    sizes = [8] * world
+
+    def exchange(t: torch.Tensor) -> torch.Tensor:
+        from autosp.sharding.collectives import all_to_all
+
+        return all_to_all(t, 2 if t.shape[2] % world == 0 else 1, 1, name)
+
+    def functional(t: torch.Tensor) -> torch.Tensor:
+        c10d = torch.ops._c10d_functional
+        return c10d.wait_tensor(c10d.all_reduce(t, "sum", name))
+
+    calls: dict[str, tuple[Any, tuple[Any, ...]]] = {
+        "all_gather dim 1": (lambda t: ops.all_gather(t, 1, sizes, name, False), (x[:, :8].contiguous(),)),
+        "all_gather dim 0": (lambda t: ops.all_gather(t, 0, [3] * world, name, False), (x,)),
+        "reduce_scatter dim 1": (lambda t: ops.reduce_scatter(t, 1, sizes, name), (x,)),
+        "all_reduce strided": (lambda t: ops.all_reduce(t, name, False), (x.transpose(1, 2),)),
+        "all_to_all start and wait": (exchange, (torch.randn(1, 8 * world, 4 * world, 16),)),
+        "functional all_reduce and wait": (functional, (x,)),
+    }
+    out: dict[str, tuple[int, int]] = {}
+    for label, (fn, args) in calls.items():
+        gm = make_fx(fn, tracing_mode="fake")(*args)
+        table = ExprTable(None)
+        held = walked = 0.0
+        values = table.values
+        timeline = _timeline(gm, table, lambda n: False, {}, runtime=Runtime("cpu", torch.get_num_threads()))
+        for sign, i, _ in timeline.events:
+            held += sign * values(0)[i]
+            walked = max(walked, held)
+        dist.barrier()
+        measured = cpu_peak(lambda fn=fn, args=args: fn(*args))
+        out[label] = (int(walked), measured)
+    return out
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def predict(case: Case) -> dict[str, Any]:
-    """What ``autosp-plan`` predicts for the same program (the whole model compiled, no scaling)."""
+def predict(case: Case, threads: int = 1) -> dict[str, Any]:
+    """What ``autosp-plan`` predicts for the same program (the whole model compiled, no scaling).
+
+    ``threads``: intra-op threads of each CPU rank, as ``measure`` reports them (CPU kernels keep
+    per-thread scratch).
+    """
     from autosp_tools.plan.api import DTYPES
     from autosp_tools.plan.capture import Mode
     from autosp_tools.plan.models import ModelSource
     from autosp_tools.plan.planner import build_models
+    from autosp_tools.plan.runtime import GPU, Runtime
 
     source = ModelSource(
         f"shipped/{case.model.dim}",
@@ -174,11 +256,30 @@ def predict(case: Case) -> dict[str, Any]:
         heads=case.model.heads,
     )
     mode = Mode("case", "ulysses", case.sac, backend=case.backend)
-    models, _, _ = build_models(source, [mode], sp=case.sp, dtype=DTYPES[case.dtype], batch=1, seq_hint=case.seq)
+    models, _, _ = build_models(
+        source,
+        [mode],
+        sp=case.sp,
+        dtype=DTYPES[case.dtype],
+        batch=1,
+        seq_hint=case.seq,
+        runtime=GPU if case.device == "cuda" else Runtime("cpu", threads),
+    )
     m = models[0]
     if m.error:
         raise RuntimeError(f"the plan could not compile the case: {m.error}")
     return {"saved_bytes": m.scaled(lambda s: s.evaluate(s.saved, case.seq)), "peak_bytes": m.peak(case.seq)}
 
 
-__all__ = ["SHIPPED", "TINY", "Case", "measure", "measure_fake_world", "predict", "shipped_model"]
+__all__ = [
+    "SHIPPED",
+    "TINY",
+    "Case",
+    "CollectiveCase",
+    "collective_peaks",
+    "cpu_peak",
+    "measure",
+    "measure_fake_world",
+    "predict",
+    "shipped_model",
+]

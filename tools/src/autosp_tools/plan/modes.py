@@ -31,7 +31,7 @@ def default_modes(sp: int, heads: int, hardware: str | None = None) -> list[Mode
         return [
             Mode("SAC off", sac=False),
             Mode("SAC on", sac=True),
-            Mode("no SP, eager-like", sac=False, backend="aot_eager"),
+            Mode("no SP, eager-like", sac=False, backend="aot_eager", handwritten=True),
         ]
     variants = get_registry().variants
     modes = [Mode("ulysses, SAC off", "ulysses", False), Mode("ulysses, SAC on", "ulysses", True)]
@@ -43,7 +43,7 @@ def default_modes(sp: int, heads: int, hardware: str | None = None) -> list[Mode
     if _has_auto_variant():
         # The variant is chosen at compile time by core's cost model on the plan's hardware profile.
         modes.append(Mode("auto variant, SAC on", "auto", True, hardware=hardware))
-    modes.append(Mode("hand-written Ulysses", "ulysses", False, backend="aot_eager"))
+    modes.append(Mode("hand-written Ulysses", "ulysses", False, backend="aot_eager", handwritten=True))
     return modes
 
 

@@ -22,6 +22,7 @@ from autosp_tools.plan.hardware import Device
 from autosp_tools.plan.layout import Layout, StateBytes
 from autosp_tools.plan.models import ModelSource
 from autosp_tools.plan.modes import seq_unit
+from autosp_tools.plan.runtime import GPU, Runtime
 
 # A collective's per-rank input from its output bytes (what the cost models take).
 _INPUT_FROM_OUTPUT = {"all_gather": lambda b, p: b / p, "reduce_scatter": lambda b, p: b * p}
@@ -147,10 +148,18 @@ class Plan:
         }
 
 
-def _stats(c: Captured, sp: int) -> GraphStats:
+def _stats(c: Captured, sp: int, runtime: Runtime) -> GraphStats:
     assert c.forward is not None and c.backward is not None
     u = dict(c.mode.variant_options).get("ulysses_degree", 1) if c.mode.variant == "hybrid" else 1
-    return graph_stats(c.forward, c.backward, c.num_user_outputs, c.param_inputs, ring=sp // u)
+    return graph_stats(
+        c.forward,
+        c.backward,
+        c.num_user_outputs,
+        c.param_inputs,
+        ring=sp // u,
+        hold_backward_inputs=c.mode.holds_backward_inputs,
+        runtime=runtime,
+    )
 
 
 def trace_stats(
@@ -163,10 +172,13 @@ def trace_stats(
     dtype: torch.dtype,
     batch: int,
     seq_hint: int,
+    runtime: Runtime = GPU,
 ) -> tuple[int, dict[str, GraphStats | str]]:
     """Parameter count, and per mode its statistics or why it failed, at ``layers`` layers."""
     traced = trace_modes(source.build, layers, modes, sp=sp, group=group, dtype=dtype, batch=batch, seq_hint=seq_hint)
-    return traced.param_count, {name: (c.error if c.error else _stats(c, sp)) for name, c in traced.captured.items()}
+    return traced.param_count, {
+        name: (c.error if c.error else _stats(c, sp, runtime)) for name, c in traced.captured.items()
+    }
 
 
 def _trace_in_child(spec: str, layers: int, modes: Sequence[Mode], kw: dict[str, Any]) -> tuple[int, dict[str, Any]]:
@@ -185,13 +197,15 @@ def build_models(
     batch: int,
     seq_hint: int,
     spec: str | None = None,
+    runtime: Runtime = GPU,
 ) -> tuple[list[ModeModel], int, list[int]]:
     """Trace at 1 and 2 layers (or the whole model when it cannot be scaled); returns models, params, layer counts.
 
     With a model given by name (``spec``), the two traces run in two spawned processes at once.
+    ``runtime``: where the planned program runs (GPUs by default; CPU ranks for checks against real runs).
     """
     counts = [1, 2] if source.scalable and source.layers > 2 else [source.layers]
-    kw = dict(sp=sp, dtype=dtype, batch=batch, seq_hint=seq_hint)
+    kw = dict(sp=sp, dtype=dtype, batch=batch, seq_hint=seq_hint, runtime=runtime)
     if spec is not None and len(counts) == 2:
         import concurrent.futures
         import multiprocessing
