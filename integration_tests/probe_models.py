@@ -417,7 +417,20 @@ def inputs(name: str, seq: int = 16, batch: int = 2) -> tuple[torch.Tensor, ...]
         return ids, labels
     if name == "whisper-front":
         return torch.randn(batch, 8, seq, generator=g), y
-    if name in ("complex-rope", "interleaved-rope", "einsum-attention", "rwkv-shift", "linear-scan", "multi-output"):
+    if name == "encoder-decoder":
+        return ids, torch.randint(0, VOCAB, (batch, seq // 2), generator=g)
+    if name in (
+        "complex-rope",
+        "interleaved-rope",
+        "einsum-attention",
+        "rwkv-shift",
+        "linear-scan",
+        "multi-output",
+        "ema-buffer",
+        "no-grad-target",
+        "reverse-attention",
+        "last-queries",
+    ):
         return (ids,)
     return ids, y
 
@@ -712,4 +725,128 @@ class LossVariants(LMBase):
 
 for _kind in ("smoothing", "class-weight", "soft", "z-loss", "kl"):
     BUILDERS[f"loss-{_kind}"] = lambda s, k=_kind: LossVariants(k)
+NAMES = list(BUILDERS)
+
+
+# --- grad mode, several lengths, collectives that differ per rank -------------------------------
+
+
+class EmaBuffer(LMBase):
+    """A buffer updated under ``no_grad`` with the sequence's mean activation, then read by the loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("ema", torch.zeros(DIM))
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        x = x + self.attn(x)
+        with torch.no_grad():
+            self.ema.mul_(0.9).add_(0.1 * x.mean(dim=(0, 1)))
+        return self.lm_loss(x - self.ema, ids)
+
+
+class NoGradTarget(LMBase):
+    """Self-distillation: a target made under ``no_grad`` from the model's own logits (no gradient through it)."""
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        x = x + self.attn(x)
+        logits = self.head(x)
+        with torch.no_grad():
+            target = (logits / 2.0).softmax(-1)
+        return -(target * logits.log_softmax(-1)).sum(-1).mean() + self.lm_loss(x, ids)
+
+
+class ReverseAttention(LMBase):
+    """Attention over the sequence and over its reverse: two exchanges with no dependency between them."""
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        x = x + self.attn(x) + self.attn(x.flip(1)).flip(1)
+        return self.lm_loss(x, ids)
+
+
+class LastQueries(LMBase):
+    """The last 4 queries attend causally to every key: under SP those queries sit on the last rank only."""
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        x = x + self.attn(x)
+        B, _, D = x.shape
+        q, k, v = self.attn.heads(x)
+        o = F.scaled_dot_product_attention(q[:, :, -4:], k, v, is_causal=True)
+        return self.head(o.transpose(1, 2).reshape(B, 4, D)).logsumexp(-1).mean() + self.lm_loss(x, ids)
+
+
+class EncoderDecoder(nn.Module):
+    """An encoder over the source and a causal decoder over a target of half its length, with cross-attention."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.enc, self.dec = Attn(causal=False), Attn(causal=True)
+        self.q, self.kv = nn.Linear(DIM, DIM), nn.Linear(DIM, 2 * DIM)
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, src, tgt):
+        m = self.embed(src)
+        m = m + self.enc(m)
+        x = self.embed(tgt)
+        x = x + self.dec(x)
+        B, T, _ = x.shape
+        q = self.q(x).view(B, T, HEADS, HD).transpose(1, 2)
+        k, v = self.kv(m).view(B, m.shape[1], 2, HEADS, HD).permute(2, 0, 3, 1, 4)
+        x = x + F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, T, DIM)
+        return F.cross_entropy(self.head(x)[:, :-1].reshape(-1, VOCAB), tgt[:, 1:].reshape(-1))
+
+
+class Funnel(LMBase):
+    """Funnel-Transformer: pairs of tokens averaged, then attention over the half-length sequence."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn2 = Attn()
+        self.cls = nn.Linear(DIM, CLASSES)
+
+    def forward(self, ids, y):
+        x = self.embed(ids)
+        x = x + self.attn(x)
+        B, S, D = x.shape
+        x = x.view(B, S // 2, 2, D).mean(2)
+        x = x + self.attn2(x)
+        return F.cross_entropy(self.cls(x[:, -1]), y)
+
+
+class LatentQueries(nn.Module):
+    """Perceiver / set-transformer pooling: 3 learned queries attend to the whole sequence."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.attn = Attn()
+        self.latents = nn.Parameter(torch.randn(1, HEADS, 3, HD))
+        self.kv = nn.Linear(DIM, 2 * DIM)
+        self.cls = nn.Linear(DIM, CLASSES)
+
+    def forward(self, ids, y):
+        x = self.embed(ids)
+        x = x + self.attn(x)
+        B, S, _ = x.shape
+        k, v = self.kv(x).view(B, S, 2, HEADS, HD).permute(2, 0, 3, 1, 4)
+        o = F.scaled_dot_product_attention(self.latents.expand(B, -1, -1, -1), k, v)
+        return F.cross_entropy(self.cls(o.transpose(1, 2).reshape(B, 3, DIM).mean(1)), y)
+
+
+BUILDERS.update(
+    {
+        "ema-buffer": lambda s: EmaBuffer(),
+        "no-grad-target": lambda s: NoGradTarget(),
+        "reverse-attention": lambda s: ReverseAttention(),
+        "last-queries": lambda s: LastQueries(),
+        "encoder-decoder": lambda s: EncoderDecoder(),
+        "funnel": lambda s: Funnel(),
+        "latent-queries": lambda s: LatentQueries(),
+    }
+)
 NAMES = list(BUILDERS)

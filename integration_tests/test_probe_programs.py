@@ -8,8 +8,11 @@ indices (argmax, top-k, a Gram matrix over the sequence), in-place updates of
 activations (once a crash in the backward: ``aten.copy`` has no derivative), several outputs,
 batch 1 and batch == sequence length, soft-target cross-entropy (once a crash: a node that
 lowering left without ``meta["val"]``) and label smoothing (an in-place ``masked_fill_`` from
-its decomposition). Loss, every other output, every parameter's gradient and every buffer are
-compared on every rank (probe_workers.differences). One pool of 2 gloo ranks for the file.
+its decomposition), values made under ``no_grad`` (a buffer's running mean, a self-distillation
+target: once silently given a gradient), self-attention over several lengths (an encoder and a
+decoder, a funnel, learned latent queries: the longest is sharded) and, under Inductor, collectives
+it once ordered differently per rank or dropped on one rank (deadlocks). Loss, every other
+output, every parameter's gradient and every buffer are compared on every rank (probe_workers.differences). One pool of 2 gloo ranks for the file.
 The probes left out here to save time (Hugging Face models, unfold, index_add, ...) are in probe_models.
 """
 
@@ -41,9 +44,16 @@ PROBES = {
         ("class-conditioned", 8, 8),
         ("loss-soft", 16, 2),
         ("loss-smoothing", 16, 2),
+        ("ema-buffer", 16, 2),
+        ("no-grad-target", 16, 2),
+        ("encoder-decoder", 16, 2),
+        ("latent-queries", 16, 2),
     ],
-    "ring": [*COMMON, ("instancenorm", 16, 2), ("select-topk", 16, 3)],
+    "ring": [*COMMON, ("instancenorm", 16, 2), ("select-topk", 16, 3), ("funnel", 16, 2)],
 }
+# Under Inductor: collectives whose order Inductor would choose by rank-dependent sizes (two
+# independent exchanges), and one a rank would drop (its piece of the queries is empty).
+INDUCTOR = [("reverse-attention", 16, 2), ("last-queries", 16, 2)]
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +75,17 @@ def test_probes_match_single_device(pool: SPMDPool, variant: str) -> None:
             assert not r["problems"], f"{where}: {r['problems']}"
             # Sequence-parallel, not the whole program run on every rank.
             assert r["sharded"] and all(r["sharded"]), f"{where}: {r['sharded']}"
+
+
+@pytest.mark.parametrize("variant", ["ulysses", "ring"])
+def test_probes_match_single_device_inductor(pool: SPMDPool, variant: str) -> None:
+    per_rank = pool.run(run_probes, INDUCTOR, variant, "inductor", timeout_s=600)
+    for rank, results in enumerate(per_rank):
+        assert not isinstance(results, RankError), results.traceback
+        for probe in INDUCTOR:
+            r = results[probe]
+            assert "error" not in r, f"{probe} {variant} inductor rank {rank}: {r['error']}"
+            assert not r["problems"], f"{probe} {variant} inductor rank {rank}: {r['problems']}"
 
 
 def test_length_not_divisible_is_refused(pool: SPMDPool) -> None:

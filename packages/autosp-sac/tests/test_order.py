@@ -14,7 +14,7 @@ aten = torch.ops.aten
 T, D, F = 64, 8, 32  # tokens, model width, MLP width: the activation [T, F] is larger than dW [D, F]
 
 
-def _graph(act_read_late: bool) -> fx.GraphModule:
+def _graph(act_read_late: bool, write_between: bool = False) -> fx.GraphModule:
     """The tail of an MLP backward: dW = dy^T @ act comes after the input gradient's work."""
     g = fx.Graph()
     mode = FakeTensorMode()
@@ -36,6 +36,8 @@ def _graph(act_read_late: bool) -> fx.GraphModule:
     d_act = node(aten.mm.default, dy, w)
     d_in = node(aten.mul.Tensor, d_act, d_act)
     late = node(aten.add.Tensor, d_in, act) if act_read_late else d_in
+    if write_between:
+        node(aten.mul_.Tensor, act, 2.0)  # after the input gradient, before dW: dW must read the doubled act
     dw = node(aten.mm.default, node(aten.t.default, dy), act)
     g.output((late, dw))
     return fx.GraphModule(torch.nn.Module(), g)
@@ -69,3 +71,13 @@ def test_nothing_moves_when_the_activation_is_read_later_anyway():
     free_early(gm, ctx)
     assert _targets(gm) == order
     assert ctx.report.sac["matmuls moved up to free their inputs"] == 0
+
+
+def test_nothing_moves_across_an_in_place_write():
+    gm = _graph(act_read_late=False, write_between=True)
+    before, order = _run(gm), _targets(gm)
+    ctx = SimpleNamespace(report=SimpleNamespace(sac={}))
+    free_early(gm, ctx)
+    assert _targets(gm) == order
+    for a, b in zip(before, _run(gm)):
+        assert torch.equal(a, b)

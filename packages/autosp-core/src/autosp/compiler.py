@@ -191,15 +191,18 @@ def compile_graph(
     if options.backend == "inductor":
         from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
+        from autosp.passes.collective_order import inductor_patches, keep_collectives
+
         def inner(g: torch.fx.GraphModule, ex: Sequence[Any], **kw: Any):
             g = manager.run(Stage.BACKWARD if kw.get("is_backward") else Stage.FORWARD, g, ctx)
-            return compile_fx_inner(g, ex, **kw)
+            with keep_collectives(g.graph):
+                return compile_fx_inner(g, ex, **kw)
 
         compiled = compile_fx(
             gm,
             list(example_inputs),
             inner_compile=inner,
-            config_patches={"custom_partitioner_fn": InductorPartitioner(partition)},
+            config_patches={"custom_partitioner_fn": InductorPartitioner(partition), **inductor_patches()},
         )
         return wrap_outputs(compiled, ctx.output_shards, group)
 

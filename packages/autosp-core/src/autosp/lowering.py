@@ -103,6 +103,38 @@ def insert_leaves(gm: torch.fx.GraphModule, specs: Sequence[AttentionSpec]) -> i
     return count
 
 
+class _GradModeInterpreter(torch.fx.Interpreter):
+    """Runs the Dynamo graph node by node, so each aten node keeps the source line of its op.
+
+    The aten graph records ops, not grad mode: a value the program computes under ``no_grad``
+    (a buffer's running statistics, a target made from the model's own output) would carry a
+    gradient once AOT autograd differentiates the rewritten graph. Such values are detached as
+    they are made, which is what eager autograd does to them, so the aten graph means what the
+    program meant. An op that hands back one of its inputs (``x.mul_(2)``, ``x.requires_grad_()``)
+    returns that very tensor in eager, which keeps its gradient, so it is left alone.
+    """
+
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        # Called under ``no_grad`` as a whole (evaluation), nothing will be differentiated.
+        self.training = torch.is_grad_enabled()
+        return super().run(*args, **kwargs)
+
+    def _as_eager(self, out: Any, args: tuple, kwargs: dict) -> Any:
+        if not self.training or torch.is_grad_enabled():
+            return out
+        given = {id(t) for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        return torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t if id(t) in given else t.detach(), out)
+
+    def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        return self._as_eager(super().call_function(target, args, kwargs), args, kwargs)
+
+    def call_method(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        return self._as_eager(super().call_method(target, args, kwargs), args, kwargs)
+
+    def call_module(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        return self._as_eager(super().call_module(target, args, kwargs), args, kwargs)
+
+
 def lower_to_aten(gm: torch.fx.GraphModule, fake_inputs: Sequence[Any], fake_mode: Any) -> torch.fx.GraphModule:
     """Trace ``gm`` into functional aten ops on fake inputs (meta ``val`` on every node)."""
     from torch._dispatch.python import enable_python_dispatcher
@@ -110,8 +142,7 @@ def lower_to_aten(gm: torch.fx.GraphModule, fake_inputs: Sequence[Any], fake_mod
     from torch.fx import traceback as fx_traceback
 
     def run(*args: Any) -> Any:
-        # Node by node, so each aten node keeps the source line of the op it came from (for messages).
-        return torch.fx.Interpreter(gm).run(*args)
+        return _GradModeInterpreter(gm).run(*args)
 
     with fake_mode, enable_python_dispatcher(), fx_traceback.preserve_node_meta():
         return make_fx(functionalize(run, remove="mutations"), pre_dispatch=False)(*fake_inputs)

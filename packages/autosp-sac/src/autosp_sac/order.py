@@ -12,6 +12,7 @@ order changes: the same ops on the same values, so results are bitwise the same.
 
 from __future__ import annotations
 
+import torch
 from torch import fx
 
 from autosp.context import CompileContext
@@ -51,6 +52,16 @@ def _base(node: fx.Node) -> fx.Node:
     return node
 
 
+def _mutates(node: fx.Node) -> bool:
+    """An op that may write a tensor in place: nothing is moved across one."""
+    target = node.target
+    if node.op != "call_function":
+        return False
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.is_mutable
+    return isinstance(target, torch._ops.HigherOrderOperator)
+
+
 def _readers(base: fx.Node) -> list[fx.Node]:
     """Nodes that read ``base``'s storage: its users, seen through views."""
     out, stack = [], list(base.users)
@@ -77,6 +88,9 @@ def free_early(gm: fx.GraphModule, ctx: CompileContext) -> None:
         first = min(pos[n] for n in members)
         if pos[anchor] + 1 >= first:
             continue
+        crossed = list(graph.nodes)[pos[anchor] + 1 : pos[mm]]
+        if any(_mutates(n) for n in crossed if n not in members):
+            continue  # a write it would move across could change what it reads
         bases = {_base(a) for a in deps}
         # What moving frees sooner: inputs whose every other reader already ran by the anchor.
         freed = sum(

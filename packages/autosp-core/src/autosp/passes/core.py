@@ -136,11 +136,7 @@ def _settle_sequence(ctx: CompileContext, lengths: list, written_out: list[Eager
     seq = lengths[0]
     # With a symbolic length these comparisons become guards: a length that breaks them recompiles.
     if any(n != seq for n in lengths):
-        raise AutoSPError(
-            f"attention sites disagree on the sequence length ({sorted({hint(n) for n in lengths})}); "
-            "AutoSP shards one sequence per graph: self-attention over sequences of different lengths in one "
-            "graph is not supported (split them into separate compiled calls, or pad them to one length)"
-        )
+        seq = _longest(ctx, lengths)
     if seq % ctx.world:
         # A symbolic length prints as its symbol (s70): say this call's length, which the user knows.
         raise AutoSPError(
@@ -157,6 +153,28 @@ def _settle_sequence(ctx: CompileContext, lengths: list, written_out: list[Eager
             dim = guess_seq_dim(x.shape, seq)
             where = f"sequence axis {dim}" if dim is not None else "no sequence axis"
             ctx.report.inputs.append(f"{name} {list(x.shape)}: {where}")
+
+
+def _longest(ctx: CompileContext, lengths: list) -> int:
+    """Self-attention over several lengths (an encoder and a decoder, a sequence pooled to half its
+    length): the longest is sharded; attention over another length is no site, so it runs whole on
+    every rank, its inputs gathered (exact, no saving for it), and the report says so."""
+    if not all(isinstance(n, int) for n in lengths):
+        raise AutoSPError(
+            f"attention sites disagree on the sequence length ({sorted({hint(n) for n in lengths})}) and a "
+            "length is dynamic: AutoSP shards one sequence per graph and cannot tell which one is the longest "
+            "for every call; compile without marking lengths dynamic, or split the model into separate "
+            "compiled calls"
+        )
+    seq = max(lengths)
+    for site in [s for s in ctx.sites if _concrete(s.seq_len) != seq]:
+        ctx.sites.remove(site)
+        ctx.report.notes.append(
+            f"attention {site.name} over length {hint(site.seq_len)}: this graph shards its longest sequence, "
+            f"{seq}; attention over another length is computed whole on every rank, its inputs gathered "
+            "(exact, no memory saving for it)"
+        )
+    return seq
 
 
 def _take_written_out(aten_gm: torch.fx.GraphModule, ctx: CompileContext) -> tuple[bool, list[EagerRegion]]:

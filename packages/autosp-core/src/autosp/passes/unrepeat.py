@@ -72,9 +72,11 @@ def unrepeat_kv(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
         gm.graph.eliminate_dead_code()
         gm.recompile()
         ctx.report.notes.append(f"autosp.unrepeat_kv: {changed} attention site(s) exchange k/v before repeat")
-        # Sites are keyed by node name and read kv heads from the graph; refresh them.
+        # Sites are keyed by node name and read kv heads from the graph; refresh them. Only the kept
+        # ones: lowering dropped the attention no variant rewrites (cross-attention, other lengths).
         specs = [SDPA, *ctx.registry.attention.values()]
-        ctx.sites = find_attention_sites(gm, specs)
+        kept = {s.name for s in ctx.sites}
+        ctx.sites = [s for s in find_attention_sites(gm, specs) if s.name in kept]
 
 
 UNREPEAT_KV = Pass(

@@ -1,0 +1,188 @@
+"""Every rank issues its collectives in the graph's order, under Inductor too.
+
+The SP rewrite emits the same collectives in the same order on every rank, but each rank compiles
+its own graph, and the graphs differ in rank-dependent sizes (which piece a slice takes, a rank
+whose piece is empty). Inductor, left alone, schedules them by those sizes, and the ranks part:
+
+* its memory-driven reordering (``reorder_for_peak_memory``) put two independent exchanges of a
+  model attending to a sequence and to its reverse in one order on rank 0 and in the other on
+  rank 1 (deadlock; two exchanges of one size would have swapped data silently);
+* it drops an op whose result nothing reads, and a result can go unread on one rank only: a rank
+  whose piece of a slice is empty gets an empty gradient piece, which Inductor folds away, and
+  with it the reduce-scatter that made it; its peers wait in that reduce-scatter forever
+  (queries sliced to their last 4 tokens, all on rank 1).
+
+So, for a graph AutoSP compiles with Inductor:
+
+1. ``keep_collectives``: the group ops count as side-effectful while Inductor compiles the graph,
+   so no rank drops one. Only then: the partitioner, which ran before, refuses impure ops in a
+   graph with recompute tags (SAC), and recomputing an exchange is its choice to make.
+2. ``CollectiveOrder`` (post-grad pass): each group op depends on the one before it, through
+   Inductor's own ``control_deps`` (how it keeps random ops in program order), and carries its
+   position in the graph's order.
+3. ``ScheduleCheck`` (after fusion, in place of Inductor's own memory reordering, which is
+   switched off for these graphs): the schedule's group ops must come in that order, or compiling
+   fails here, on this rank, with an error that says so, instead of a hang. The memory reordering
+   then runs as Inductor would run it, and its result is kept only where it keeps that order.
+
+An op talks to a group when its schema takes a ``group_name`` (the c10d convention, which AutoSP's
+collectives, the ring ops and plugins' ops follow), and so do the waits of functional collectives.
+Compute stays free to move around them, so overlap keeps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass, CustomSchedulerPass
+from torch.fx import Graph, Node
+
+from autosp.errors import AutoSPError
+
+_WAITS = frozenset({torch.ops._c10d_functional.wait_tensor.default})
+INDEX = "autosp_group_op"  # node meta: the op's position among the graph's group ops
+_SOURCE = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+
+
+def talks_to(target: Any) -> bool:
+    """Whether an op communicates over a process group."""
+    if target in _WAITS:
+        return True
+    return isinstance(target, torch._ops.OpOverload) and any(a.name == "group_name" for a in target._schema.arguments)
+
+
+def talks_to_group(node: Node) -> bool:
+    return node.op == "call_function" and talks_to(node.target)
+
+
+@contextlib.contextmanager
+def keep_collectives(graph: Graph) -> Iterator[None]:
+    """The graph's group ops count as side-effectful (never eliminated) inside this block."""
+    from torch.fx.node import _side_effectful_functions
+
+    added = {n.target for n in graph.nodes if talks_to_group(n)} - _side_effectful_functions
+    _side_effectful_functions.update(added)
+    try:
+        yield
+    finally:
+        _side_effectful_functions.difference_update(added)
+
+
+def chain_collectives(graph: Graph) -> int:
+    """Number the group ops in graph order and make each depend on the one before; return how many."""
+    from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
+    from torch.utils._ordered_set import OrderedSet
+
+    ops = [n for n in graph.nodes if talks_to_group(n)]
+    for i, node in enumerate(ops):
+        node.meta[INDEX] = i  # copied onto the control_deps node and into its subgraph
+    preserve_node_ordering(graph, {ops[i]: OrderedSet([ops[i - 1]]) for i in range(1, len(ops))})
+    return len(ops)
+
+
+class CollectiveOrder(CustomGraphPass):
+    """Inductor's ``post_grad_custom_post_pass``: the pass already set there, if any, then the chain."""
+
+    def __init__(self, then: Any = None) -> None:
+        self.then = then
+
+    def __call__(self, graph: Graph) -> None:
+        if self.then is not None:
+            self.then(graph)
+        chain_collectives(graph)
+
+    def uuid(self) -> str:
+        then = self.then.uuid() if isinstance(self.then, CustomGraphPass) else repr(self.then)
+        return f"autosp-collective-order-{_SOURCE}-{then}"
+
+
+def scheduled_order(nodes: list[Any]) -> list[int]:
+    """Graph positions of the group ops, in the order the scheduler nodes run them."""
+    order = []
+    for snode in nodes:
+        for sub in snode.get_nodes():
+            ir_node = sub.node
+            if ir_node is None or not talks_to(getattr(ir_node, "op_overload", None)):
+                continue
+            found = {o.meta[INDEX] for o in ir_node.get_origins() if isinstance(o, Node) and INDEX in o.meta}
+            order.extend(sorted(found))
+    return order
+
+
+def _in_order(order: list[int]) -> bool:
+    return all(a < b for a, b in zip(order, order[1:]))
+
+
+class ScheduleCheck(CustomSchedulerPass):
+    """Inductor's ``_post_fusion_custom_pass``: the schedule keeps the group ops' order, or it fails.
+
+    ``reorder``: whether Inductor's memory reordering was on (it runs here instead, kept only if
+    it keeps the order).
+    """
+
+    def __init__(self, reorder: bool, then: Any = None) -> None:
+        self.reorder, self.then = reorder, then
+
+    def __call__(self, nodes: list[Any]) -> list[Any]:
+        if self.then is not None:
+            nodes = self.then(nodes)
+        order = scheduled_order(nodes)
+        if not _in_order(order):
+            raise AutoSPError(
+                "Inductor scheduled this rank's collectives out of the graph's order (positions "
+                f"{order}): the ranks would wait in different collectives. Compile with "
+                "backend='aot_eager' meanwhile, and report the model"
+            )
+        if not self.reorder:
+            return nodes
+        from torch._inductor.memory import reorder_for_peak_memory
+        from torch._inductor.virtualized import V
+        from torch.utils._ordered_set import OrderedSet
+
+        if not nodes:
+            return nodes
+        scheduler = nodes[0].scheduler  # still being built: V.graph.scheduler is not set yet
+        reordered = reorder_for_peak_memory(
+            nodes,
+            scheduler.name_to_buf,
+            scheduler.name_to_fused_node,
+            OrderedSet(V.graph.graph_inputs.keys()),
+            OrderedSet(V.graph.get_output_names()),
+        )
+        return reordered if _in_order(scheduled_order(reordered)) else nodes
+
+    def uuid(self) -> str:
+        then = self.then.uuid() if isinstance(self.then, CustomSchedulerPass) else repr(self.then)
+        return f"autosp-schedule-check-{_SOURCE}-{self.reorder}-{then}"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Inductor pickles its config for cache keys; the uuid says what makes this pass differ.
+        return (str, (self.uuid(),))
+
+
+def inductor_patches() -> dict[str, Any]:
+    """The Inductor config AutoSP compiles its graphs with (see the module docstring)."""
+    config = torch._inductor.config
+    return {
+        "post_grad_custom_post_pass": CollectiveOrder(config.post_grad_custom_post_pass),
+        "_post_fusion_custom_pass": ScheduleCheck(config.reorder_for_peak_memory, config._post_fusion_custom_pass),
+        "reorder_for_peak_memory": False,
+    }
+
+
+__all__ = [
+    "INDEX",
+    "CollectiveOrder",
+    "ScheduleCheck",
+    "chain_collectives",
+    "inductor_patches",
+    "keep_collectives",
+    "scheduled_order",
+    "talks_to",
+    "talks_to_group",
+]

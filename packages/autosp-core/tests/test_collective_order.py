@@ -1,0 +1,113 @@
+"""Collectives under Inductor: never dropped, chained in graph order, and a schedule that breaks the order refused.
+
+The end-to-end cases (two independent exchanges that Inductor's memory reordering swapped on one
+rank; a reduce-scatter it dropped on the rank whose piece was empty) are in
+integration_tests/test_probe_programs.py; these pin each piece on its own.
+"""
+
+from __future__ import annotations
+
+import operator
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import fx
+
+import autosp.sharding.collectives  # noqa: F401 - registers the autosp:: collectives
+from autosp.errors import AutoSPError
+from autosp.passes.collective_order import (
+    INDEX,
+    ScheduleCheck,
+    chain_collectives,
+    inductor_patches,
+    keep_collectives,
+    scheduled_order,
+    talks_to,
+)
+
+autosp_ops = torch.ops.autosp
+c10d = torch.ops._c10d_functional
+
+
+def test_ops_that_talk_to_a_group():
+    for op in (
+        autosp_ops.all_gather.default,
+        autosp_ops.reduce_scatter.default,
+        autosp_ops.all_reduce.default,
+        autosp_ops.all_to_all.default,
+        autosp_ops.wait_exchange.default,
+        c10d.all_reduce.default,
+        c10d.wait_tensor.default,
+    ):
+        assert talks_to(op), op
+    for op in (torch.ops.aten.mm.default, autosp_ops.scale_grad.default, operator.getitem, None):
+        assert not talks_to(op), op
+
+
+def _two_all_reduces() -> fx.GraphModule:
+    """Two independent all-reduces and a matmul between them."""
+    g = fx.Graph()
+    a, b = g.placeholder("a"), g.placeholder("b")
+    r1 = g.call_function(autosp_ops.all_reduce.default, (a, "0", False))
+    mm = g.call_function(torch.ops.aten.mm.default, (a, b))
+    r2 = g.call_function(autosp_ops.all_reduce.default, (b, "0", False))
+    g.output((r1, mm, r2))
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+def test_group_ops_are_side_effectful_only_while_inductor_compiles():
+    gm = _two_all_reduces()
+    ops = [n for n in gm.graph.nodes if n.target == autosp_ops.all_reduce.default]
+    assert not any(n.is_impure() for n in ops)  # the partitioner may recompute them (SAC)
+    with keep_collectives(gm.graph):
+        assert all(n.is_impure() for n in ops)
+        gm.graph.output_node().args = ((ops[0],),)  # the second result unread, as on the rank that dropped it
+        gm.graph.eliminate_dead_code()
+        assert sum(n.target == autosp_ops.all_reduce.default for n in gm.graph.nodes) == 2
+    assert not any(n.is_impure() for n in ops)
+
+
+def test_chain_makes_each_group_op_wait_for_the_one_before():
+    gm = _two_all_reduces()
+    assert chain_collectives(gm.graph) == 2
+    control = [n for n in gm.graph.nodes if n.op == "call_function" and "control_deps" in str(n.target)]
+    assert len(control) == 1
+    second = control[0]
+    assert second.meta[INDEX] == 1
+    (dep,) = second.args[0]
+    assert dep.target == autosp_ops.all_reduce.default and dep.meta[INDEX] == 0
+    # The matmul between them stays free: it is not chained.
+    mm = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.mm.default)
+    assert INDEX not in mm.meta
+
+
+def _snode(index: int | None, op=autosp_ops.all_reduce.default) -> SimpleNamespace:
+    """A scheduler node as ScheduleCheck reads one: its IR node's op and the FX nodes it came from."""
+    origin = fx.Graph().placeholder("x")
+    if index is not None:
+        origin.meta[INDEX] = index
+    ir_node = SimpleNamespace(op_overload=op, get_origins=lambda: {origin})
+    sub = SimpleNamespace(node=ir_node)
+    return SimpleNamespace(get_nodes=lambda: [sub])
+
+
+def test_schedule_in_graph_order_passes_and_compute_is_ignored():
+    nodes = [_snode(0), _snode(None, torch.ops.aten.mm.default), _snode(1), _snode(2)]
+    assert scheduled_order(nodes) == [0, 1, 2]
+    assert ScheduleCheck(reorder=False)(nodes) is nodes
+
+
+def test_schedule_out_of_graph_order_is_refused():
+    nodes = [_snode(0), _snode(2), _snode(1)]
+    with pytest.raises(AutoSPError, match=r"out of the graph's order \(positions \[0, 2, 1\]\)"):
+        ScheduleCheck(reorder=False)(nodes)
+
+
+def test_inductor_patches_take_over_the_memory_reordering():
+    patches = inductor_patches()
+    assert patches["reorder_for_peak_memory"] is False
+    check = patches["_post_fusion_custom_pass"]
+    assert check.reorder is torch._inductor.config.reorder_for_peak_memory
+    # Inductor pickles its config into cache keys.
+    assert isinstance(check.__reduce__()[1][0], str)
