@@ -32,6 +32,17 @@ def attempt(fn: Callable[[], Any]) -> dict[str, Any]:
     return result
 
 
+def _float_model(**options: Any) -> Any:
+    """A model called with embeddings: attention over them and a scalar out."""
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        q = x.view(2, 16, 2, 4).transpose(1, 2)
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).square().mean()
+
+    torch._dynamo.reset()
+    return autosp.compile(forward, backend="eager", **options)
+
+
 def input_faults(rank: int, world: int) -> dict[str, Any]:
     """Ranks fed different inputs, and more shapes than Dynamo's recompile limit."""
     out: dict[str, Any] = {}
@@ -49,11 +60,17 @@ def input_faults(rank: int, world: int) -> dict[str, Any]:
     out["lengths"] = attempt(lambda: compiled(ids, ids))
     # After the errors the ranks are still in step: a good call runs and agrees.
     out["same"] = attempt(lambda: compiled(_ids(2, 64), _ids(2, 64)))
-    # Different tokens, same shapes: the default check compares shapes only.
-    out["tokens_shapes_mode"] = attempt(lambda: compiled(_ids(2, 64, seed=rank), _ids(2, 64)))
+    # Different tokens, same shapes (a data loader sharded over the SP ranks): the default check
+    # compares the contents of integer tensors.
+    out["tokens_default"] = attempt(lambda: compiled(_ids(2, 64, seed=rank), _ids(2, 64)))
+    shapes_only = autosp.compile(build("llama"), backend="eager", check_inputs="shapes")
+    out["tokens_shapes_mode"] = attempt(lambda: shapes_only(_ids(2, 64, seed=rank), _ids(2, 64)))
 
+    # Floating-point inputs (embeddings) of the same shape: compared only with "hash".
+    emb = torch.randn(2, 16, 8, generator=torch.Generator().manual_seed(rank))
+    out["floats_default"] = attempt(lambda: _float_model(check_inputs="tokens")(emb))
+    out["floats_hash"] = attempt(lambda: _float_model(check_inputs="hash")(emb))
     hashed = autosp.compile(build("llama"), backend="eager", check_inputs="hash")
-    out["tokens_hash"] = attempt(lambda: hashed(_ids(2, 64, seed=rank), _ids(2, 64)))
     out["same_hash"] = attempt(lambda: hashed(_ids(2, 64), _ids(2, 64)))
 
     # autosp.backend used directly: the check runs inside the compiled graph.

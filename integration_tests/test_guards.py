@@ -67,16 +67,19 @@ def test_mismatched_shapes_and_lengths(faults):
     assert faults[0]["same"]["error"] is None and faults[0]["same"]["loss"] == faults[1]["same"]["loss"]
 
 
-def test_mismatched_tokens_need_hash(faults):
+def test_mismatched_tokens_are_caught_by_default(faults):
     for r in faults:
-        assert r["tokens_shapes_mode"]["error"] is None  # shapes agree: the default check passes
         _error(
-            r["tokens_hash"],
+            r["tokens_default"],
             "InputMismatch",
             r"input_ids \(tensor \[2, 64\] int64 cpu\): different contents: "
             r"rank 0 / rank 1",
         )
-        assert "labels" not in r["tokens_hash"]["message"]  # same labels on both ranks
+        assert "labels" not in r["tokens_default"]["message"]  # same labels on both ranks
+        assert r["tokens_shapes_mode"]["error"] is None  # check_inputs="shapes" compares no contents
+        # Floating-point contents only with "hash".
+        assert r["floats_default"]["error"] is None, r["floats_default"]
+        _error(r["floats_hash"], "InputMismatch", r"x \(tensor \[2, 16, 8\] float32 cpu\): different contents")
         assert r["same_hash"]["error"] is None, r["same_hash"]
     assert faults[0]["same_hash"]["loss"] == faults[1]["same_hash"]["loss"]
 

@@ -23,7 +23,8 @@ from autosp.input_check import Leaf, fingerprint, flatten_inputs, mismatch_messa
 
 
 @pytest.mark.parametrize(
-    ("given", "mode"), [("shapes", "shapes"), ("hash", "hash"), ("off", "off"), (False, "off"), (True, "shapes")]
+    ("given", "mode"),
+    [("tokens", "tokens"), ("shapes", "shapes"), ("hash", "hash"), ("off", "off"), (False, "off"), (True, "tokens")],
 )
 def test_check_inputs_values(given, mode):
     assert SPOptions(check_inputs=given).check_inputs == mode
@@ -32,7 +33,7 @@ def test_check_inputs_values(given, mode):
 @pytest.mark.parametrize(
     ("kwargs", "pattern"),
     [
-        ({"check_inputs": "content"}, r"check_inputs='content'; use 'shapes', 'hash' or 'off' \(or False\)"),
+        ({"check_inputs": "content"}, r"check_inputs='content'; use 'tokens', 'shapes', 'hash' or 'off' \(or False\)"),
         ({"timeout": 0}, r"timeout=0; give seconds > 0 \(or a timedelta\), or None"),
         ({"timeout": -1.5}, r"timeout=-1.5; give seconds > 0"),
         ({"timeout": "30"}, r"timeout='30'; give seconds > 0"),
@@ -293,3 +294,13 @@ def test_non_divisible_symbolic_length_prints_the_number(monkeypatch):
         torch.compile(TinyAttention(), backend=backend)(x)
     assert not re.search(r"\bs\d+\b", str(err.value).split("\n")[0]), str(err.value)
     torch._dynamo.reset()
+
+
+def test_default_mode_fingerprints_token_tensors_only():
+    from autosp.input_check import fingerprinted
+
+    ids, mask, emb = torch.zeros(2, 4, dtype=torch.long), torch.ones(2, 4, dtype=torch.bool), torch.zeros(2, 4, 8)
+    assert SPOptions().check_inputs == "tokens"
+    assert fingerprinted(ids, "tokens") and fingerprinted(mask, "tokens") and not fingerprinted(emb, "tokens")
+    assert all(fingerprinted(t, "hash") for t in (ids, mask, emb))
+    assert not any(fingerprinted(t, mode) for t in (ids, mask, emb) for mode in ("shapes", "off"))

@@ -127,7 +127,7 @@ def backend(
     backend: Backend = "inductor",
     disable_passes: tuple[str, ...] = (),
     grad_bucket_mb: float = 25.0,
-    check_inputs: CheckMode | bool = "shapes",
+    check_inputs: CheckMode | bool = "tokens",
     timeout: float | timedelta | None = None,
     hardware: HardwareOption = None,
     tile_loss: bool | int = True,
@@ -145,8 +145,8 @@ def backend(
         backend: "inductor", "aot_eager" or "eager": the compiler after AutoSP.
         disable_passes: names of passes to skip.
         grad_bucket_mb: MiB per gradient all-reduce bucket (0: one collective per gradient).
-        check_inputs: "shapes" (default), "hash" or "off"/False: what the SP ranks compare
-            before each compiled graph runs (see ``SPOptions``).
+        check_inputs: "tokens" (default), "shapes", "hash" or "off"/False: what the SP ranks
+            compare before each compiled graph runs (see ``SPOptions``).
         timeout: seconds or ``timedelta`` for the SP group AutoSP creates (see ``SPOptions``).
         hardware: profile name, JSON profile path or ``HardwareProfile`` for the cost models
             (``None``: detect the device; see ``SPOptions``).
@@ -189,7 +189,7 @@ def compile(  # noqa: A001 - mirrors torch.compile
     disable_passes: tuple[str, ...] = (),
     grad_bucket_mb: float = 25.0,
     variant_options: dict[str, Any] | None = None,
-    check_inputs: CheckMode | bool = "shapes",
+    check_inputs: CheckMode | bool = "tokens",
     timeout: float | timedelta | None = None,
     hardware: HardwareOption = None,
     tile_loss: bool | int = True,
@@ -206,7 +206,8 @@ def compile(  # noqa: A001 - mirrors torch.compile
     call first runs ``autosp.verify`` on its inputs (an SP and a single-device step more; the compile is shared).
 
     With ``sp_size > 1`` each call first checks, in one small all-gather, that the SP ranks got
-    inputs of the same shapes, dtypes (and with ``check_inputs="hash"`` contents), and a call
+    inputs of the same shapes, dtypes and token contents (integer and boolean tensors; with
+    ``check_inputs="hash"`` every tensor's contents), and a call
     that Dynamo would run without AutoSP (its recompile limit) raises ``AutoSPError`` instead of
     running in eager. ``timeout`` bounds every collective of AutoSP (see ``SPOptions``).
     """

@@ -20,8 +20,19 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-CheckMode = Literal["shapes", "hash", "off"]
-CHECK_MODES: tuple[str, ...] = ("shapes", "hash", "off")
+CheckMode = Literal["tokens", "shapes", "hash", "off"]
+CHECK_MODES: tuple[str, ...] = ("tokens", "shapes", "hash", "off")
+
+
+def fingerprinted(t: torch.Tensor, mode: str) -> bool:
+    """Whether ``mode`` compares this tensor's contents: "hash" every tensor's; "tokens" (the default)
+    those of integer and boolean tensors: token ids, labels, masks, positions, where a data loader
+    that gives the ranks of one SP group different rows shows, at about a nanosecond per element.
+    Floating-point inputs (embeddings, pixel values) can be large: "hash" covers them too."""
+    if mode == "hash":
+        return True
+    return mode == "tokens" and not (t.is_floating_point() or t.is_complex())
+
 
 _MAX_DEPTH = 8
 _CHUNK = 1 << 16  # elements hashed at once: bounded temporaries, cached weights (512 KiB per device)
@@ -231,12 +242,11 @@ class InputCheck:
         digest = _digest("\n".join(f"{leaf.path}: {leaf.meta}" for leaf in leaves))
         local = torch.tensor([digest, 0], dtype=torch.int64, device=self.device)
         fps: torch.Tensor | None = None
-        if self.mode == "hash":
-            tensors = [leaf.tensor for leaf in leaves if leaf.tensor is not None]
-            if tensors:
-                fps = torch.stack([fingerprint(t).to(self.device) for t in tensors])
-                weights = torch.arange(len(tensors), dtype=torch.int64, device=self.device) * _MULT + _ADD
-                local[1] = (fps * (weights | 1)).sum()
+        tensors = [leaf.tensor for leaf in leaves if leaf.tensor is not None and fingerprinted(leaf.tensor, self.mode)]
+        if tensors:
+            fps = torch.stack([fingerprint(t).to(self.device) for t in tensors])
+            weights = torch.arange(len(tensors), dtype=torch.int64, device=self.device) * _MULT + _ADD
+            local[1] = (fps * (weights | 1)).sum()
         # Pre-filled with our own row: a backend that does not communicate (fake) compares equal.
         rows = local.repeat(len(self.ranks))
         dist.all_gather_single(rows, local, group=self.group)
@@ -245,7 +255,14 @@ class InputCheck:
         if all(v == values[0] for v in values):
             return
         fp_iter = iter(fps.tolist() if fps is not None else [])
-        mine = [(leaf.path, leaf.meta, next(fp_iter, None) if leaf.tensor is not None else None) for leaf in leaves]
+        mine = [
+            (
+                leaf.path,
+                leaf.meta,
+                next(fp_iter) if leaf.tensor is not None and fingerprinted(leaf.tensor, self.mode) else None,
+            )
+            for leaf in leaves
+        ]
         gathered: list[Any] = [None] * len(self.ranks)
         dist.all_gather_object(gathered, mine, group=self.group)
         raise InputMismatchError(mismatch_message(gathered, self.ranks))
@@ -259,6 +276,7 @@ __all__ = [
     "Leaf",
     "collective_device",
     "fingerprint",
+    "fingerprinted",
     "flatten_inputs",
     "mismatch_message",
     "signature_of",

@@ -31,9 +31,11 @@ class SPOptions:
         grad_bucket_mb: gradients are all-reduced in buckets of at most this many MiB
             (0: one collective per gradient).
         variant_options: options the variant reads (for example ``ulysses_degree``).
-        check_inputs: what the SP ranks compare before each call: "shapes" (shapes, dtypes and
-            scalar values of every non-parameter input, one small all-gather), "hash" (also a
-            fingerprint of every input tensor's contents) or "off" (``False`` means "off").
+        check_inputs: what the SP ranks compare before each call (one small all-gather): "tokens"
+            (the default: shapes, dtypes and scalar values of every non-parameter input, and the
+            contents of its integer and boolean tensors: token ids, labels, masks, positions),
+            "shapes" (no contents), "hash" (the contents of every input tensor, floating-point
+            ones too) or "off" (``False`` means "off", ``True`` "tokens").
         timeout: seconds (or a ``timedelta``) after which a collective of AutoSP fails when
             another SP rank does not take part; AutoSP creates its SP group with it. Compiles
             do not count: before the first run of a new graph the ranks wait for each other on
@@ -61,7 +63,7 @@ class SPOptions:
     disable_passes: tuple[str, ...] = ()
     grad_bucket_mb: float = 25.0
     variant_options: dict[str, Any] = field(default_factory=dict)
-    check_inputs: CheckMode | bool = "shapes"
+    check_inputs: CheckMode | bool = "tokens"
     timeout: float | timedelta | None = None
     tile_loss: bool | int = True
     memory_budget: int | float | None = None
@@ -69,10 +71,10 @@ class SPOptions:
     outputs: Literal["whole", "sharded"] = "whole"
 
     def __post_init__(self) -> None:
-        aliases: dict[object, str] = {False: "off", True: "shapes"}
+        aliases: dict[object, str] = {False: "off", True: "tokens"}
         check = aliases.get(self.check_inputs, self.check_inputs)
         if check not in CHECK_MODES:
-            raise ConfigError(f"check_inputs={self.check_inputs!r}; use 'shapes', 'hash' or 'off' (or False)")
+            raise ConfigError(f"check_inputs={self.check_inputs!r}; use 'tokens', 'shapes', 'hash' or 'off' (or False)")
         object.__setattr__(self, "check_inputs", check)
         if self.timeout is not None:
             seconds = self.timeout.total_seconds() if isinstance(self.timeout, timedelta) else self.timeout
