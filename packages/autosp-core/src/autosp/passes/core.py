@@ -85,7 +85,7 @@ def _site_lengths(sites: list) -> list[int | torch.SymInt]:
 def _unsupported(node: torch.fx.Node) -> str | None:
     """What AutoSP cannot lower under SP, named for the user, or None."""
     if getattr(node.target, "__name__", "") == "_vmap_increment_nesting":
-        return "torch.func.vmap (FlexAttention's create_block_mask uses it)"
+        return "torch.func.vmap"
     return None
 
 
@@ -100,10 +100,11 @@ def _refuse_unsupported(gm: torch.fx.GraphModule) -> None:
                 continue
             where = user_line(node)
             raise AutoSPError(
-                f"{what} is not supported with sp_size > 1 yet" + (f" ({where})" if where else "") + "; build "
-                "FlexAttention's block mask outside the compiled function (create_block_mask once, pass it in), "
-                "or call F.scaled_dot_product_attention with the boolean mask your mask_mod describes (Ulysses "
-                "and ring both take it, and ring skips the tiles it masks out), or compile with sp_size=1"
+                f"{what} is not supported with sp_size > 1 yet" + (f" ({where})" if where else "") + ". If it is "
+                "FlexAttention's create_block_mask, build the block mask outside the compiled function (once, and "
+                "pass it in) or call F.scaled_dot_product_attention with the boolean mask your mask_mod describes "
+                "(Ulysses and ring both take it, and ring skips the tiles it masks out); otherwise write that code "
+                "without vmap, or compile with sp_size=1"
             )
 
 
