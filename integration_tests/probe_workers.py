@@ -59,9 +59,17 @@ def differences(got: dict[str, Any], ref: dict[str, Any]) -> list[str]:
 
 
 def run_probes(
-    rank: int, world: int, probes: list[tuple[str, int, int]], variant: str, backend: str = "aot_eager"
+    rank: int,
+    world: int,
+    probes: list[tuple[str, int, int]],
+    variant: str,
+    backend: str = "aot_eager",
+    options: dict[str, Any] | None = None,
 ) -> dict[tuple[str, int, int], dict[str, Any]]:
-    """Per ``(name, seq, batch)``: ``{"problems": [...], "fallbacks": [...]}`` or ``{"error": ...}``."""
+    """Per ``(name, seq, batch)``: ``{"problems": [...], "fallbacks": [...]}`` or ``{"error": ...}``.
+
+    ``options`` go to ``autosp.compile`` (``sac=True``, ...).
+    """
     results: dict[tuple[str, int, int], dict[str, Any]] = {}
     for name, seq, batch in probes:
         torch._dynamo.reset()
@@ -69,7 +77,7 @@ def run_probes(
         args = inputs(name, seq, batch)
         ref = step(copy.deepcopy(model), args)
         try:
-            compiled = autosp.compile(model, backend=backend, fullgraph=True, variant=variant)
+            compiled = autosp.compile(model, backend=backend, fullgraph=True, variant=variant, **(options or {}))
             with caches_off():
                 got = step(compiled, args)
         except Exception as e:  # noqa: BLE001 - a probe's refusal is a verdict, not a crash of the task

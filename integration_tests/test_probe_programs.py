@@ -88,6 +88,21 @@ def test_probes_match_single_device_inductor(pool: SPMDPool, variant: str) -> No
             assert not r["problems"], f"{probe} {variant} inductor rank {rank}: {r['problems']}"
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_buffers_updated_in_place_under_sac(pool: SPMDPool, backend: str) -> None:
+    # What reads a buffer the step updates in place must be saved, not recomputed: recomputed
+    # in the backward it would read the updated buffer (once a crash under aot_eager, and
+    # silently wrong gradients under Inductor).
+    probes = [("ema-buffer", 16, 2), ("batchnorm", 16, 2)]
+    per_rank = pool.run(run_probes, probes, "ulysses", backend, {"sac": True}, timeout_s=600)
+    for rank, results in enumerate(per_rank):
+        assert not isinstance(results, RankError), results.traceback
+        for probe in probes:
+            r = results[probe]
+            assert "error" not in r, f"{probe} sac {backend} rank {rank}: {r['error']}"
+            assert not r["problems"], f"{probe} sac {backend} rank {rank}: {r['problems']}"
+
+
 def test_length_not_divisible_is_refused(pool: SPMDPool) -> None:
     per_rank = pool.run(run_probes, [("rwkv-shift", 17, 2)], "ulysses", timeout_s=300)
     for results in per_rank:

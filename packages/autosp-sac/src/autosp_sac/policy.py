@@ -1,7 +1,9 @@
 """The SAC policy as recompute tags on the joint graph, honoured by the min-cut partitioner.
 
 Always saved: attention (its outputs and log-sum-exp), random ops (recomputing them
-would draw new numbers), and each attention block's input from the residual stream.
+would draw new numbers), each attention block's input from the residual stream, and what
+reads an input the step updates in place (a buffer's running statistics: the backward would
+read the updated buffer, which autograd refuses).
 Recomputed when SAC is on: everything else of the forward, matmuls and the
 all-to-alls that feed attention included. ``sac="auto"`` decides by memory when the device's
 memory (the hardware profile's ``memory_bytes``) or ``memory_budget=`` is known: the cheapest
@@ -13,13 +15,25 @@ from __future__ import annotations
 
 import operator
 
+import torch
 from torch import fx
+from torch._functorch._aot_autograd.descriptors import InputMutationAOTOutput
 from torch.utils.checkpoint import CheckpointPolicy
 
 from autosp.context import CompileContext
 from autosp_sac.budget import budget_bytes, plan
 from autosp_sac.cost import OVERHEAD_THRESHOLD, estimate
 from autosp_sac.graph import ATTENTION_KERNELS, JointInfo, analyse, is_random, nbytes
+
+aten = torch.ops.aten
+_WRITE_BACK = frozenset({aten.copy.default, aten.copy_.default})
+
+
+def _is_view(node: fx.Node) -> bool:
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and any(
+        r.alias_info is not None and not r.alias_info.is_write for r in target._schema.returns
+    )
 
 
 def attention_ops(ctx: CompileContext) -> frozenset:
@@ -40,12 +54,44 @@ def _kept(info: JointInfo) -> tuple[set[fx.Node], set[fx.Node], set[fx.Node]]:
     return attention, random, kept
 
 
+def _reads_mutated_input(gm: fx.GraphModule, forward: list[fx.Node]) -> set[fx.Node]:
+    """Forward nodes that read, directly or through views, an input the graph writes back.
+
+    AOT writes an updated input back after the forward (``aten.copy``/``aten.copy_`` in the joint
+    graph where the mutation stays in it, as under Inductor, else after the compiled forward);
+    recomputing one of its readers in the backward would read the updated value (autograd
+    refuses that; Inductor's code would not notice).
+    """
+    mutated = {
+        n.args[0]
+        for n in gm.graph.nodes
+        if n.target in _WRITE_BACK and isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder"
+    }
+    # Where the mutation is not kept in the graph (aot_eager), the new value is a forward output
+    # whose AOT descriptor names the input it updates.
+    output = gm.graph.output_node()
+    updated = {d.mutated_input for d in output.meta.get("desc") or () if isinstance(d, InputMutationAOTOutput)}
+    mutated |= {n for n in gm.graph.find_nodes(op="placeholder") if n.meta.get("desc") in updated}
+    in_forward, out, stack = set(forward), set(), [u for m in mutated for u in m.users]
+    while stack:
+        node = stack.pop()
+        if node not in in_forward or node in out or node.target in _WRITE_BACK:
+            continue
+        if _is_view(node):
+            stack.extend(node.users)
+        else:
+            out.add(node)
+    # A reader returning several tensors is saved through its getitems.
+    return out | {u for n in out for u in n.users if u.target is operator.getitem}
+
+
 def tag(gm: fx.GraphModule, ctx: CompileContext) -> None:
     info = analyse(gm, attention_ops(ctx), ctx.num_fwd_outputs)
     costs = estimate(info)
     overhead = costs.overhead(ctx.hardware)
     sac = ctx.options.sac
     attention, random, kept = _kept(info)
+    kept |= _reads_mutated_input(gm, info.forward)
     budget = budget_bytes(ctx) if sac == "auto" else None
     memory = plan(gm, ctx, info, kept, budget) if budget is not None else None
     if memory is not None:
