@@ -66,7 +66,7 @@ def test_deepspeed_data_parallel_group_is_dp_only(monkeypatch: pytest.MonkeyPatc
     # so check the group itself: ZeRO must shard over the 2 dp ranks, not all 4.
     pytest.importorskip("deepspeed")
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
-    sizes = run_spmd(compositions_workers.deepspeed_group_sizes, 4, 2, 2)
+    sizes = run_spmd(compositions_workers.deepspeed_group_sizes, 4, 2, 2, fresh=True)
     assert sizes == [{"dp_world_size": 2, "seq_dp_world_size": 2, "sequence_parallel_size": 1, "zero_group": 2}] * 4
 
 

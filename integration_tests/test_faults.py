@@ -162,7 +162,7 @@ def test_killed_rank_then_resume_auto_loses_nothing(
 def test_timeout_reaches_subgroups_made_without_one() -> None:
     # The dp and sp groups of a device mesh are such subgroups.
     late_s = 7.0
-    results = run_spmd(faults_workers.subgroup_timeout, 2, late_s)
+    results = run_spmd(faults_workers.subgroup_timeout, 2, late_s, fresh=True)
     assert results[0] is not None, "rank 0 waited for the late rank: the subgroup kept the 30-minute default"
     error, waited = results[0]
     assert "Timed out" in error and waited < late_s - 2, (error, waited)

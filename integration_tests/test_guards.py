@@ -19,7 +19,7 @@ FAST_S = 30.0  # an input error is raised before any compile: seconds even on a 
 
 @pytest.fixture(scope="module")
 def faults() -> list[dict]:
-    return run_spmd(guards_workers.input_faults, 2)
+    return run_spmd(guards_workers.input_faults, 2, fresh=True)
 
 
 def _error(result: dict, kind: str, *patterns: str) -> str:
@@ -94,7 +94,7 @@ def test_backend_used_directly_checks_inside_the_graph(faults):
 
 
 def test_rank_that_raises_and_stays_alive():
-    (r0, r1) = run_spmd(guards_workers.rank_raises, 2, TIMEOUT_S)
+    (r0, r1) = run_spmd(guards_workers.rank_raises, 2, TIMEOUT_S, fresh=True)
     assert r0["group_timeouts"] == r1["group_timeouts"] == [120.0, TIMEOUT_S]
     assert set(r1) == {"group_timeouts"}
     for key, where in (("check", "the input check"), ("program", "a collective of the SP program")):

@@ -24,17 +24,17 @@ MESH_RUN = (1, 2)
 @pytest.fixture(scope="module")
 def reference() -> dict:
     runs = [*SP_RUNS, (MESH_RUN[0], MESH_RUN[1] * 2)]
-    return run_spmd(workers.fine_tune, 1, runs, None)[0]
+    return run_spmd(workers.fine_tune, 1, runs, None, fresh=True)[0]
 
 
 @pytest.fixture(scope="module")
 def sp2() -> list[dict]:
-    return run_spmd(workers.fine_tune, 2, SP_RUNS, 2)
+    return run_spmd(workers.fine_tune, 2, SP_RUNS, 2, fresh=True)
 
 
 @pytest.fixture(scope="module")
 def mesh() -> list[dict]:
-    return run_spmd(workers.fine_tune, 4, [MESH_RUN], 2)
+    return run_spmd(workers.fine_tune, 4, [MESH_RUN], 2, fresh=True)
 
 
 def _check(ranks: list[dict], run: str, ref: dict, world: int) -> None:

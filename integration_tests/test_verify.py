@@ -11,7 +11,7 @@ from harness import run_spmd
 
 @pytest.fixture(scope="module")
 def ranks() -> list[dict]:
-    return run_spmd(verify_workers.run_all, 2)
+    return run_spmd(verify_workers.run_all, 2, fresh=True)
 
 
 def test_correct_model_passes(ranks):

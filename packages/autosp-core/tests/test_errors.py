@@ -122,7 +122,7 @@ def spmd_errors():
     from _core_spmd_cases import config_errors
     from harness import run_spmd
 
-    return run_spmd(config_errors, 3)
+    return run_spmd(config_errors, 3, fresh=True)
 
 
 def _on_every_rank(results, key):
