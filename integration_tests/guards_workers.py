@@ -66,9 +66,9 @@ def input_faults(rank: int, world: int) -> dict[str, Any]:
     shapes_only = autosp.compile(build("llama"), backend="eager", check_inputs="shapes")
     out["tokens_shapes_mode"] = attempt(lambda: shapes_only(_ids(2, 64, seed=rank), _ids(2, 64)))
 
-    # Floating-point inputs (embeddings) of the same shape: compared only with "hash".
+    # Floating-point inputs (embeddings) of the same shape: compared by sample by default, whole with "hash".
     emb = torch.randn(2, 16, 8, generator=torch.Generator().manual_seed(rank))
-    out["floats_default"] = attempt(lambda: _float_model(check_inputs="tokens")(emb))
+    out["floats_default"] = attempt(lambda: _float_model()(emb))
     out["floats_hash"] = attempt(lambda: _float_model(check_inputs="hash")(emb))
     hashed = autosp.compile(build("llama"), backend="eager", check_inputs="hash")
     out["same_hash"] = attempt(lambda: hashed(_ids(2, 64), _ids(2, 64)))

@@ -78,7 +78,7 @@ def test_mismatched_tokens_are_caught_by_default(faults):
         assert "labels" not in r["tokens_default"]["message"]  # same labels on both ranks
         assert r["tokens_shapes_mode"]["error"] is None  # check_inputs="shapes" compares no contents
         # Floating-point contents only with "hash".
-        assert r["floats_default"]["error"] is None, r["floats_default"]
+        _error(r["floats_default"], "InputMismatch", r"x \(tensor \[2, 16, 8\] float32 cpu\): different contents")
         _error(r["floats_hash"], "InputMismatch", r"x \(tensor \[2, 16, 8\] float32 cpu\): different contents")
         assert r["same_hash"]["error"] is None, r["same_hash"]
     assert faults[0]["same_hash"]["loss"] == faults[1]["same_hash"]["loss"]

@@ -6,6 +6,7 @@ The multi-rank behaviour (the check's collective, timeouts) is in integration_te
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from datetime import timedelta
 
@@ -296,11 +297,24 @@ def test_non_divisible_symbolic_length_prints_the_number(monkeypatch):
     torch._dynamo.reset()
 
 
-def test_default_mode_fingerprints_token_tensors_only():
-    from autosp.input_check import fingerprinted
+def test_default_mode_compares_tokens_whole_and_floats_by_sample():
+    from autosp.input_check import compared, fingerprint
 
     ids, mask, emb = torch.zeros(2, 4, dtype=torch.long), torch.ones(2, 4, dtype=torch.bool), torch.zeros(2, 4, 8)
     assert SPOptions().check_inputs == "tokens"
-    assert fingerprinted(ids, "tokens") and fingerprinted(mask, "tokens") and not fingerprinted(emb, "tokens")
-    assert all(fingerprinted(t, "hash") for t in (ids, mask, emb))
-    assert not any(fingerprinted(t, mode) for t in (ids, mask, emb) for mode in ("shapes", "off"))
+    assert compared(ids, "tokens") is ids and compared(mask, "tokens") is mask
+    assert torch.equal(compared(emb, "tokens"), emb.reshape(-1))  # small: every element
+    assert all(compared(t, "hash") is t for t in (ids, mask, emb))
+    assert all(compared(t, mode) is None for t in (ids, mask, emb) for mode in ("shapes", "off"))
+
+    # A large float input: a bounded sample that crosses every feature column and every row.
+    big = torch.randn(4, 4096, 64)
+    sample = compared(big, "tokens")
+    assert sample.numel() <= 1 << 16
+    step = sample.stride(0)
+    assert step > 1 and math.gcd(step, 64) == 1
+    assert len({(i * step) % 64 for i in range(sample.numel())}) == 64
+    other_rows = big.clone()
+    other_rows[1:] = torch.randn(3, 4096, 64)  # another batch in all rows but the first
+    assert fingerprint(compared(other_rows, "tokens")) != fingerprint(sample)
+    assert fingerprint(compared(big.clone(), "tokens")) == fingerprint(sample)

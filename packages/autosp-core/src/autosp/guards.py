@@ -42,7 +42,7 @@ _MAX_SEEN = 12
 
 
 class InputMismatch(AutoSPError):
-    """The SP ranks were called with different inputs (shapes, dtypes or, with ``check_inputs="hash"``, contents)."""
+    """The SP ranks were called with different inputs (shapes, dtypes or contents, as ``check_inputs`` compares)."""
 
 
 class CollectiveFailure(AutoSPError):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import inspect
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -24,14 +25,32 @@ CheckMode = Literal["tokens", "shapes", "hash", "off"]
 CHECK_MODES: tuple[str, ...] = ("tokens", "shapes", "hash", "off")
 
 
-def fingerprinted(t: torch.Tensor, mode: str) -> bool:
-    """Whether ``mode`` compares this tensor's contents: "hash" every tensor's; "tokens" (the default)
-    those of integer and boolean tensors: token ids, labels, masks, positions, where a data loader
-    that gives the ranks of one SP group different rows shows, at about a nanosecond per element.
-    Floating-point inputs (embeddings, pixel values) can be large: "hash" covers them too."""
-    if mode == "hash":
-        return True
-    return mode == "tokens" and not (t.is_floating_point() or t.is_complex())
+_SAMPLE = 1 << 16  # floating-point elements the default mode compares per tensor
+
+
+def compared(t: torch.Tensor, mode: str) -> torch.Tensor | None:
+    """What of ``t``'s contents ``mode`` compares across the SP ranks (``None``: nothing).
+
+    "hash": all of it. "tokens" (the default): all of an integer or boolean tensor (token ids,
+    labels, masks, positions) and an evenly spread sample of at most 65,536 elements of a
+    floating-point one (embeddings, pixel values, features: often large), which a data loader
+    that gives the ranks of one SP group different rows changes almost everywhere. "shapes" and
+    "off": nothing.
+    """
+    if mode == "hash" or (mode == "tokens" and not (t.is_floating_point() or t.is_complex())):
+        return t
+    if mode != "tokens":
+        return None
+    flat = t.detach().reshape(-1)
+    if flat.numel() <= _SAMPLE:
+        return flat
+    step = -(-flat.numel() // _SAMPLE)
+    # A step sharing no factor with the last dimension: the sample crosses every feature column,
+    # not only the ones a multiple of it would land on (a constant padding feature, say).
+    last = t.shape[-1]
+    while math.gcd(step, last) != 1:
+        step += 1
+    return flat[::step]
 
 
 _MAX_DEPTH = 8
@@ -242,7 +261,8 @@ class InputCheck:
         digest = _digest("\n".join(f"{leaf.path}: {leaf.meta}" for leaf in leaves))
         local = torch.tensor([digest, 0], dtype=torch.int64, device=self.device)
         fps: torch.Tensor | None = None
-        tensors = [leaf.tensor for leaf in leaves if leaf.tensor is not None and fingerprinted(leaf.tensor, self.mode)]
+        contents = [None if leaf.tensor is None else compared(leaf.tensor, self.mode) for leaf in leaves]
+        tensors = [c for c in contents if c is not None]
         if tensors:
             fps = torch.stack([fingerprint(t).to(self.device) for t in tensors])
             weights = torch.arange(len(tensors), dtype=torch.int64, device=self.device) * _MULT + _ADD
@@ -256,12 +276,8 @@ class InputCheck:
             return
         fp_iter = iter(fps.tolist() if fps is not None else [])
         mine = [
-            (
-                leaf.path,
-                leaf.meta,
-                next(fp_iter) if leaf.tensor is not None and fingerprinted(leaf.tensor, self.mode) else None,
-            )
-            for leaf in leaves
+            (leaf.path, leaf.meta, None if c is None else next(fp_iter))
+            for leaf, c in zip(leaves, contents, strict=True)
         ]
         gathered: list[Any] = [None] * len(self.ranks)
         dist.all_gather_object(gathered, mine, group=self.group)
@@ -275,8 +291,8 @@ __all__ = [
     "InputMismatchError",
     "Leaf",
     "collective_device",
+    "compared",
     "fingerprint",
-    "fingerprinted",
     "flatten_inputs",
     "mismatch_message",
     "signature_of",

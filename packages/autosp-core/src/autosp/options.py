@@ -32,10 +32,11 @@ class SPOptions:
             (0: one collective per gradient).
         variant_options: options the variant reads (for example ``ulysses_degree``).
         check_inputs: what the SP ranks compare before each call (one small all-gather): "tokens"
-            (the default: shapes, dtypes and scalar values of every non-parameter input, and the
-            contents of its integer and boolean tensors: token ids, labels, masks, positions),
-            "shapes" (no contents), "hash" (the contents of every input tensor, floating-point
-            ones too) or "off" (``False`` means "off", ``True`` "tokens").
+            (the default: shapes, dtypes and scalar values of every non-parameter input, the
+            contents of its integer and boolean tensors: token ids, labels, masks, positions, and
+            65,536 evenly spread elements of each floating-point one), "shapes" (no contents),
+            "hash" (all the contents of every input tensor) or "off" (``False`` means "off",
+            ``True`` "tokens").
         timeout: seconds (or a ``timedelta``) after which a collective of AutoSP fails when
             another SP rank does not take part; AutoSP creates its SP group with it. Compiles
             do not count: before the first run of a new graph the ranks wait for each other on
