@@ -430,6 +430,8 @@ def inputs(name: str, seq: int = 16, batch: int = 2) -> tuple[torch.Tensor, ...]
         "no-grad-target",
         "reverse-attention",
         "last-queries",
+        "custom-function",
+        "custom-function-disabled",
     ):
         return (ids,)
     return ids, y
@@ -847,6 +849,50 @@ BUILDERS.update(
         "encoder-decoder": lambda s: EncoderDecoder(),
         "funnel": lambda s: Funnel(),
         "latent-queries": lambda s: LatentQueries(),
+    }
+)
+NAMES = list(BUILDERS)
+
+
+# --- custom autograd Functions -------------------------------------------------------------------
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward, gradient scaled by -0.5 (a gradient reversal layer): the backward is not
+    the forward's derivative, so it cannot be left to autograd."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * -0.5
+
+
+@torch.compiler.disable
+def _scale_grad_outside(x):
+    return _ScaleGrad.apply(x)
+
+
+class CustomFunction(LMBase):
+    """A custom ``torch.autograd.Function`` between attention and the head, in the graph or behind a break."""
+
+    def __init__(self, outside: bool) -> None:
+        super().__init__()
+        self.outside = outside
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        x = x + self.attn(x)
+        x = x + (_scale_grad_outside(x) if self.outside else _ScaleGrad.apply(x))
+        return self.lm_loss(x + self.attn(x), ids)
+
+
+BUILDERS.update(
+    {
+        "custom-function": lambda s: CustomFunction(outside=False),
+        "custom-function-disabled": lambda s: CustomFunction(outside=True),
     }
 )
 NAMES = list(BUILDERS)

@@ -77,7 +77,7 @@ def run_probes(
         args = inputs(name, seq, batch)
         ref = step(copy.deepcopy(model), args)
         try:
-            compiled = autosp.compile(model, backend=backend, fullgraph=True, variant=variant, **(options or {}))
+            compiled = autosp.compile(model, backend=backend, variant=variant, **{"fullgraph": True, **(options or {})})
             with caches_off():
                 got = step(compiled, args)
         except Exception as e:  # noqa: BLE001 - a probe's refusal is a verdict, not a crash of the task

@@ -103,6 +103,23 @@ def test_buffers_updated_in_place_under_sac(pool: SPMDPool, backend: str) -> Non
             assert not r["problems"], f"{probe} sac {backend} rank {rank}: {r['problems']}"
 
 
+def test_custom_autograd_function_is_refused_or_exact_behind_a_graph_break(pool: SPMDPool) -> None:
+    # A custom autograd.Function (a gradient reversal here, BLOOM's gelu in HF) once crashed with
+    # functionalization's "NYI"; its backward is the user's, so it is refused, naming the line and
+    # the way out: @torch.compiler.disable around it, which must then be exact.
+    probes = [("custom-function", 16, 2), ("custom-function-disabled", 16, 2)]
+    per_rank = pool.run(run_probes, probes, "ulysses", "aot_eager", {"fullgraph": False}, timeout_s=600)
+    for results in per_rank:
+        assert not isinstance(results, RankError), results.traceback
+        error = results[probes[0]].get("error", "")
+        assert error.startswith("refused: AutoSPError: a custom torch.autograd.Function"), error
+        assert "probe_models.py" in error and "torch.compiler.disable" in error, error
+        r = results[probes[1]]
+        assert "error" not in r, r["error"]
+        assert not r["problems"], r["problems"]
+        assert r["sharded"] == [16, 16], r["sharded"]  # both graphs around the break sequence-parallel
+
+
 def test_length_not_divisible_is_refused(pool: SPMDPool) -> None:
     per_rank = pool.run(run_probes, [("rwkv-shift", 17, 2)], "ulysses", timeout_s=300)
     for results in per_rank:

@@ -82,10 +82,27 @@ def _site_lengths(sites: list) -> list[int | torch.SymInt]:
     return [_concrete(s.seq_len) for s in sites] + [_concrete(s.kv_seq_len) for s in sites if not _is_cross(s)]
 
 
-def _unsupported(node: torch.fx.Node) -> str | None:
-    """What AutoSP cannot lower under SP, named for the user, or None."""
+_VMAP_ADVICE = (
+    "If it is FlexAttention's create_block_mask, build the block mask outside the compiled function (once, and "
+    "pass it in) or call F.scaled_dot_product_attention with the boolean mask your mask_mod describes (Ulysses "
+    "and ring both take it, and ring skips the tiles it masks out); otherwise write that code without vmap, or "
+    "compile with sp_size=1"
+)
+# The backward is the user's own, so it cannot be replaced by autograd's derivative of the forward
+# (a straight-through estimator, a gradient reversal); functionalization cannot trace it either.
+_FUNCTION_ADVICE = (
+    "Write it with torch ops (autograd then derives its backward) if its backward is the true gradient, or "
+    "call it from a function decorated with @torch.compiler.disable: a graph break, which AutoSP keeps "
+    "exact (the values crossing it are gathered whole), or compile with sp_size=1"
+)
+
+
+def _unsupported(node: torch.fx.Node) -> tuple[str, str] | None:
+    """What AutoSP cannot lower under SP and what to do instead, named for the user, or None."""
     if getattr(node.target, "__name__", "") == "_vmap_increment_nesting":
-        return "torch.func.vmap"
+        return "torch.func.vmap", _VMAP_ADVICE
+    if node.target is getattr(torch.ops.higher_order, "autograd_function_apply", None):
+        return "a custom torch.autograd.Function", _FUNCTION_ADVICE
     return None
 
 
@@ -95,16 +112,13 @@ def _refuse_unsupported(gm: torch.fx.GraphModule) -> None:
         if not isinstance(module, torch.fx.GraphModule):
             continue
         for node in module.graph.nodes:
-            what = _unsupported(node) if node.op == "call_function" else None
-            if what is None:
+            found = _unsupported(node) if node.op == "call_function" else None
+            if found is None:
                 continue
+            what, advice = found
             where = user_line(node)
             raise AutoSPError(
-                f"{what} is not supported with sp_size > 1 yet" + (f" ({where})" if where else "") + ". If it is "
-                "FlexAttention's create_block_mask, build the block mask outside the compiled function (once, and "
-                "pass it in) or call F.scaled_dot_product_attention with the boolean mask your mask_mod describes "
-                "(Ulysses and ring both take it, and ring skips the tiles it masks out); otherwise write that code "
-                "without vmap, or compile with sp_size=1"
+                f"{what} is not supported with sp_size > 1 yet" + (f" ({where})" if where else "") + f". {advice}"
             )
 
 
