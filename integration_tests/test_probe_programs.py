@@ -62,30 +62,31 @@ def pool() -> Iterator[SPMDPool]:
         yield p
 
 
+def _exact(per_rank: list, probes: list[tuple[str, int, int]], what: str) -> list[tuple[str, dict]]:
+    """Asserts every probe ran and matched single-device eager on every rank; returns them by rank."""
+    out = []
+    for rank, results in enumerate(per_rank):
+        assert not isinstance(results, RankError), results.traceback
+        for probe in probes:
+            r, where = results[probe], f"{probe} {what} rank {rank}"
+            assert "error" not in r, f"{where}: {r['error']}"
+            assert not r["problems"], f"{where}: {r['problems']}"
+            out.append((where, r))
+    return out
+
+
 @pytest.mark.parametrize("variant", ["ulysses", "ring"])
 def test_probes_match_single_device(pool: SPMDPool, variant: str) -> None:
     probes = PROBES[variant]
     per_rank = pool.run(run_probes, probes, variant, timeout_s=600)
-    for rank, results in enumerate(per_rank):
-        assert not isinstance(results, RankError), results.traceback
-        for probe in probes:
-            r = results[probe]
-            where = f"{probe} {variant} rank {rank}"
-            assert "error" not in r, f"{where}: {r['error']}"
-            assert not r["problems"], f"{where}: {r['problems']}"
-            # Sequence-parallel, not the whole program run on every rank.
-            assert r["sharded"] and all(r["sharded"]), f"{where}: {r['sharded']}"
+    for where, r in _exact(per_rank, probes, variant):
+        # Sequence-parallel, not the whole program run on every rank.
+        assert r["sharded"] and all(r["sharded"]), f"{where}: {r['sharded']}"
 
 
 @pytest.mark.parametrize("variant", ["ulysses", "ring"])
 def test_probes_match_single_device_inductor(pool: SPMDPool, variant: str) -> None:
-    per_rank = pool.run(run_probes, INDUCTOR, variant, "inductor", timeout_s=600)
-    for rank, results in enumerate(per_rank):
-        assert not isinstance(results, RankError), results.traceback
-        for probe in INDUCTOR:
-            r = results[probe]
-            assert "error" not in r, f"{probe} {variant} inductor rank {rank}: {r['error']}"
-            assert not r["problems"], f"{probe} {variant} inductor rank {rank}: {r['problems']}"
+    _exact(pool.run(run_probes, INDUCTOR, variant, "inductor", timeout_s=600), INDUCTOR, f"{variant} inductor")
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
@@ -94,13 +95,7 @@ def test_buffers_updated_in_place_under_sac(pool: SPMDPool, backend: str) -> Non
     # in the backward it would read the updated buffer (once a crash under aot_eager, and
     # silently wrong gradients under Inductor).
     probes = [("ema-buffer", 16, 2), ("batchnorm", 16, 2)]
-    per_rank = pool.run(run_probes, probes, "ulysses", backend, {"sac": True}, timeout_s=600)
-    for rank, results in enumerate(per_rank):
-        assert not isinstance(results, RankError), results.traceback
-        for probe in probes:
-            r = results[probe]
-            assert "error" not in r, f"{probe} sac {backend} rank {rank}: {r['error']}"
-            assert not r["problems"], f"{probe} sac {backend} rank {rank}: {r['problems']}"
+    _exact(pool.run(run_probes, probes, "ulysses", backend, {"sac": True}, timeout_s=600), probes, f"sac {backend}")
 
 
 def test_custom_autograd_function_is_refused_or_exact_behind_a_graph_break(pool: SPMDPool) -> None:
@@ -109,15 +104,12 @@ def test_custom_autograd_function_is_refused_or_exact_behind_a_graph_break(pool:
     # the way out: @torch.compiler.disable around it, which must then be exact.
     probes = [("custom-function", 16, 2), ("custom-function-disabled", 16, 2)]
     per_rank = pool.run(run_probes, probes, "ulysses", "aot_eager", {"fullgraph": False}, timeout_s=600)
+    for where, r in _exact(per_rank, probes[1:], "ulysses"):
+        assert r["sharded"] == [16, 16], f"{where}: {r['sharded']}"  # both graphs around the break are SP
     for results in per_rank:
-        assert not isinstance(results, RankError), results.traceback
         error = results[probes[0]].get("error", "")
         assert error.startswith("refused: AutoSPError: a custom torch.autograd.Function"), error
         assert "probe_models.py" in error and "torch.compiler.disable" in error, error
-        r = results[probes[1]]
-        assert "error" not in r, r["error"]
-        assert not r["problems"], r["problems"]
-        assert r["sharded"] == [16, 16], r["sharded"]  # both graphs around the break sequence-parallel
 
 
 def test_length_not_divisible_is_refused(pool: SPMDPool) -> None:
