@@ -206,8 +206,8 @@ def compile(  # noqa: A001 - mirrors torch.compile
     call first runs ``autosp.verify`` on its inputs (an SP and a single-device step more; the compile is shared).
 
     With ``sp_size > 1`` each call first checks, in one small all-gather, that the SP ranks got
-    inputs of the same shapes, dtypes and token contents (integer and boolean tensors; with
-    ``check_inputs="hash"`` every tensor's contents), and a call
+    inputs of the same shapes, dtypes and contents (integer and boolean tensors whole, a sample of
+    each floating-point one; with ``check_inputs="hash"`` every tensor whole), and a call
     that Dynamo would run without AutoSP (its recompile limit) raises ``AutoSPError`` instead of
     running in eager. ``timeout`` bounds every collective of AutoSP (see ``SPOptions``).
     """

@@ -23,13 +23,13 @@ from torch.utils.checkpoint import CheckpointPolicy
 from autosp.context import CompileContext
 from autosp_sac.budget import budget_bytes, plan
 from autosp_sac.cost import OVERHEAD_THRESHOLD, estimate
-from autosp_sac.graph import ATTENTION_KERNELS, JointInfo, analyse, is_random, nbytes
+from autosp_sac.graph import ATTENTION_KERNELS, JointInfo, analyse, aten, is_random, nbytes
 
-aten = torch.ops.aten
 _WRITE_BACK = frozenset({aten.copy.default, aten.copy_.default})
 
 
 def _is_view(node: fx.Node) -> bool:
+    """An op whose result aliases its input, by its schema (so a reader through it reads the input)."""
     target = node.target
     return isinstance(target, torch._ops.OpOverload) and any(
         r.alias_info is not None and not r.alias_info.is_write for r in target._schema.returns
@@ -82,7 +82,7 @@ def _reads_mutated_input(gm: fx.GraphModule, forward: list[fx.Node]) -> set[fx.N
         else:
             out.add(node)
     # A reader returning several tensors is saved through its getitems.
-    return out | {u for n in out for u in n.users if u.target is operator.getitem}
+    return out | {u for n in out for u in n.users if _is_output_of(u, out)}
 
 
 def tag(gm: fx.GraphModule, ctx: CompileContext) -> None:
