@@ -75,6 +75,12 @@ def _rank(rank: int, store_path: str) -> None:
         )
     finally:
         dist.destroy_process_group()
+    # Importing torch._dynamo keeps the default group's Python object alive past
+    # destroy_process_group (torch 2.13), so gloo is torn down again during interpreter
+    # finalization, where it aborts ("terminate called without an active exception") in rare runs.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def main() -> int:

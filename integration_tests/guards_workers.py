@@ -130,3 +130,33 @@ def rank_raises(rank: int, world: int, timeout: float) -> dict[str, Any]:
     case("program", "off", before_backward=False)
     case("backward", "shapes", before_backward=True)
     return out
+
+
+def groups_after_destroy(rank: int, world: int) -> dict[str, Any]:
+    """Compiled programs on subgroups (hybrid's, sp_size < world, a user's), then destroy_process_group.
+
+    AutoSP holds groups weakly: none of the groups it made or was given may outlive the
+    destruction (torch keeps the default group's own object alive itself), and calling a
+    program compiled on a destroyed group is a clear error, not a crash inside a collective.
+    """
+    import gc
+    import weakref
+
+    ids = _ids(2, 64)
+    user_group = dist.new_group()
+    programs = {
+        "hybrid": autosp.compile(build("llama"), backend="eager", variant="hybrid"),
+        "dp_x_sp": autosp.compile(build("llama"), backend="eager", sp_size=2),
+        "user_group": autosp.compile(build("llama"), backend="eager", group=user_group),
+    }
+    for compiled in programs.values():
+        compiled(ids, ids).backward()
+    world_group = dist.group.WORLD
+    made = [weakref.ref(g) for g in dist.distributed_c10d._world.pg_map if g is not world_group]
+    del user_group, world_group
+    dist.destroy_process_group()
+    gc.collect()
+    out: dict[str, Any] = {"groups": len(made), "alive": sum(r() is not None for r in made)}
+    for name, compiled in programs.items():
+        out[name] = attempt(lambda compiled=compiled: compiled(ids, ids))
+    return out

@@ -45,7 +45,8 @@ def _worker(rank: int, world: int, store_path: str, out_dir: str, fn: Callable[.
     except BaseException as e:  # noqa: BLE001 - reported to the parent
         result = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():  # a task may destroy the group itself
+            dist.destroy_process_group()
     Path(out_dir, f"{rank}.pkl").write_bytes(pickle.dumps(result))
 
 

@@ -113,3 +113,12 @@ def test_rank_that_raises_and_stays_alive():
     back = r0["backward"]
     assert back["error"] == "RuntimeError" and "Timed out" in back["message"], back
     assert TIMEOUT_S * 0.9 <= back["seconds"] < TIMEOUT_S + FAST_S, back
+
+
+def test_groups_are_not_kept_alive_past_destroy_process_group():
+    # A group kept alive past destroy_process_group is torn down at interpreter exit, where gloo
+    # can abort the process; and a call after it must say what happened.
+    for rank, r in enumerate(run_spmd(guards_workers.groups_after_destroy, 4, fresh=True)):
+        assert r["groups"] >= 4 and r["alive"] == 0, (rank, r)  # hybrid's 2, dp x sp's 1, the user's 1
+        for name in ("hybrid", "dp_x_sp", "user_group"):
+            _error(r[name], "ConfigError", r"was destroyed \(torch.distributed.destroy_process_group\)", "compile")

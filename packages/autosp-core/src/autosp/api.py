@@ -16,6 +16,7 @@ from autosp.input_check import CheckMode, InputCheck
 from autosp.options import Backend, SPOptions, compile_sync_group, resolve_group
 from autosp.registry import get_registry
 from autosp.report import Report
+from autosp.weak_group import WeakGroup
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -77,6 +78,9 @@ class AutoSPBackend:
     ranks when it runs (``check_inputs``); ``autosp.compile`` checks once per call instead,
     before Dynamo runs, and sets ``check_graphs`` to False.
     """
+
+    group = WeakGroup()
+    sync_group = WeakGroup()
 
     def __init__(self, options: SPOptions) -> None:
         self.options = options

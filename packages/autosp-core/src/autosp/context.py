@@ -13,6 +13,7 @@ from autosp.options import SPOptions
 from autosp.registry import Registry
 from autosp.report import Report
 from autosp.variants import SPVariant
+from autosp.weak_group import WeakGroup
 
 T = TypeVar("T")
 
@@ -44,7 +45,6 @@ class CompileContext:
     options: SPOptions
     registry: Registry
     variant: SPVariant | None
-    group: Any
     world: int
     rank: int
     graph_id: int
@@ -62,6 +62,7 @@ class CompileContext:
     output_shards: list[tuple[int, Any] | None] = field(default_factory=list)  # outputs="sharded": per output
     num_fwd_outputs: int | None = None
     variant_state: Any = None
+    group: Any = WeakGroup()  # held weakly: see autosp.weak_group
     _plugin_state: dict[type, Any] = field(default_factory=dict)
 
     def put_state(self, value: Any) -> None:

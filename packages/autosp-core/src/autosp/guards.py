@@ -36,6 +36,7 @@ from autosp.input_check import (
     tensor_meta,
 )
 from autosp.options import group_timeout
+from autosp.weak_group import WeakGroup, weak_call
 
 _COMM_FAILURES = ("Timed out", "timed out", "Connection closed by peer", "Connection reset by peer", "Broken pipe")
 _MAX_SEEN = 12
@@ -135,6 +136,8 @@ class GuardedCall:
     (only during this call, in this thread), then a check that an AutoSP graph ran.
     """
 
+    group = WeakGroup()
+
     def __init__(
         self, fn: Callable[..., Any], model: Any, group: Any, check: InputCheck | None, runs: GraphRuns
     ) -> None:
@@ -233,11 +236,14 @@ def wait_for_compiles(fn: Callable[..., Any], sync_group: Any) -> Callable[..., 
     differs between ranks, never counts against the SP group's short ``timeout``.
     """
     pending = True
+    get_sync_group = weak_call(sync_group, "wait_for_compiles")
+    del sync_group
 
     @functools.wraps(fn)
     def run(*args: Any) -> Any:
         nonlocal pending
         if pending:
+            sync_group = get_sync_group()
             try:
                 dist.all_reduce(torch.zeros(1, device=collective_device(sync_group)), group=sync_group)
             except Exception as e:

@@ -21,6 +21,8 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from autosp.weak_group import WeakGroup
+
 CheckMode = Literal["tokens", "shapes", "hash", "off"]
 CHECK_MODES: tuple[str, ...] = ("tokens", "shapes", "hash", "off")
 
@@ -250,6 +252,8 @@ class InputCheck:
 
     The second exchange is safe: every rank saw the same gathered digests, so every rank takes it.
     """
+
+    group = WeakGroup()
 
     def __init__(self, group: Any, mode: CheckMode) -> None:
         self.group = group

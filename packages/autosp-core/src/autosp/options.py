@@ -11,6 +11,7 @@ import torch.distributed as dist
 from autosp.errors import ConfigError
 from autosp.hardware_select import HardwareOption, check_option
 from autosp.input_check import CHECK_MODES, CheckMode
+from autosp.weak_group import WeakGroup
 
 Backend = Literal["inductor", "aot_eager", "eager"]
 BACKENDS = ("inductor", "aot_eager", "eager")
@@ -59,7 +60,7 @@ class SPOptions:
     sp_size: int | None = None
     variant: str = "ulysses"
     sac: bool | Literal["auto"] = "auto"
-    group: Any = None
+    group: Any = WeakGroup()
     backend: Backend = "inductor"
     disable_passes: tuple[str, ...] = ()
     grad_bucket_mb: float = 25.0
