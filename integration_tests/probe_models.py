@@ -326,6 +326,48 @@ class Selections(LMBase):
         return F.cross_entropy(self.cls(h), y)
 
 
+class Mixers(LMBase):
+    """Token mixing beyond attention: FFT (FNet), a causal depthwise conv (Mamba), recurrences
+    (``nn.GRU``, a Python loop over positions), flips, rolls, running maxima, CTC, medians."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.conv = nn.Conv1d(DIM, DIM, 4, groups=DIM)
+        self.rnn = nn.GRU(DIM, DIM, batch_first=True) if kind == "gru" else None
+        self.cls = nn.Linear(DIM, CLASSES)
+
+    def forward(self, ids, y):
+        x = self.embed(ids)
+        x = x + self.attn(self.ln(x))
+        B, S, D = x.shape
+        if self.kind == "fnet":
+            x = x + torch.fft.fft(torch.fft.fft(x, dim=-1), dim=1).real
+        elif self.kind == "causal-conv":  # left pad, depthwise conv, crop
+            x = x + self.conv(F.pad(x.transpose(1, 2), (3, 0)))[..., :S].transpose(1, 2)
+        elif self.kind == "gru":  # Dynamo breaks the graph around it
+            x = x + self.rnn(x)[0]
+        elif self.kind == "position-loop":
+            # One select per position: on the ranks that do not hold position t each is an all-reduce
+            # of equal zeros, which CSE once merged on one rank only (collectives paired wrongly).
+            h, outs = torch.zeros(B, D), []
+            for t in range(S):
+                h = 0.9 * h + x[:, t]
+                outs.append(h)
+            x = x + torch.stack(outs, 1)
+        elif self.kind == "flip-roll":
+            x = x + x.flip(1) * 0.5 + torch.roll(x, 1, dims=1)
+        elif self.kind == "cummax":
+            x = x + torch.cummax(x, dim=1).values + torch.logcumsumexp(x, dim=1) * 0.1
+        elif self.kind == "ctc":
+            logp = self.head(x).log_softmax(-1).transpose(0, 1)  # [S, B, V]
+            target = ids[:, : S // 4] % (VOCAB - 1) + 1
+            return F.ctc_loss(logp, target, torch.full((B,), S), torch.full((B,), S // 4))
+        elif self.kind == "median":
+            return F.cross_entropy(self.cls(x.median(dim=1).values + x.std(dim=1)), y)
+        return self.lm_loss(x, ids)
+
+
 class InPlace(LMBase):
     """In-place updates of activations: a masked position zeroed, a running add, a scaled slice."""
 
@@ -366,6 +408,10 @@ BUILDERS: dict[str, Callable[[int], nn.Module]] = {
     "per-seq-loss": lambda s: PerSequenceLoss(),
     "in-place": lambda s: InPlace(),
     "multi-output": lambda s: MultiOutput(),
+    **{
+        f"mix-{k}": (lambda s, k=k: Mixers(k))
+        for k in ("fnet", "causal-conv", "gru", "position-loop", "flip-roll", "cummax", "ctc", "median")
+    },
     **{
         f"select-{k}": (lambda s, k=k: Selections(k))
         for k in (

@@ -10,8 +10,10 @@ batch 1 and batch == sequence length, soft-target cross-entropy (once a crash: a
 lowering left without ``meta["val"]``) and label smoothing (an in-place ``masked_fill_`` from
 its decomposition), values made under ``no_grad`` (a buffer's running mean, a self-distillation
 target: once silently given a gradient), self-attention over several lengths (an encoder and a
-decoder, a funnel, learned latent queries: the longest is sharded) and, under Inductor, collectives
-it once ordered differently per rank or dropped on one rank (deadlocks). Loss, every other
+decoder, a funnel, learned latent queries: the longest is sharded), token mixers beyond attention
+(FFT, a causal conv, a GRU, a loop over positions, CTC) and, under Inductor, collectives it once
+ordered differently per rank or dropped on one rank (deadlocks), or merged on one rank (CSE: a
+silently wrong loss). Loss, every other
 output, every parameter's gradient and every buffer are compared on every rank (probe_workers.differences). One pool of 2 gloo ranks for the file.
 The probes left out here to save time (Hugging Face models, unfold, index_add, ...) are in probe_models.
 """
@@ -53,7 +55,12 @@ PROBES = {
 }
 # Under Inductor: collectives whose order Inductor would choose by rank-dependent sizes (two
 # independent exchanges), and one a rank would drop (its piece of the queries is empty).
-INDUCTOR = [("reverse-attention", 16, 2), ("last-queries", 16, 2)]
+INDUCTOR = [("reverse-attention", 16, 2), ("last-queries", 16, 2), ("mix-position-loop", 16, 2)]
+# Token mixing beyond attention, with SAC on (the min-cut partitioner, which once merged equal
+# collectives on one rank by CSE: the position loop's all-reduces then paired wrongly across ranks).
+MIXERS = [
+    (f"mix-{k}", 16, 2) for k in ("fnet", "causal-conv", "gru", "position-loop", "flip-roll", "cummax", "ctc", "median")
+]
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +103,11 @@ def test_buffers_updated_in_place_under_sac(pool: SPMDPool, backend: str) -> Non
     # silently wrong gradients under Inductor).
     probes = [("ema-buffer", 16, 2), ("batchnorm", 16, 2)]
     _exact(pool.run(run_probes, probes, "ulysses", backend, {"sac": True}, timeout_s=600), probes, f"sac {backend}")
+
+
+def test_token_mixers_under_sac(pool: SPMDPool) -> None:
+    options = {"sac": True, "fullgraph": False}  # nn.GRU is a graph break
+    _exact(pool.run(run_probes, MIXERS, "ulysses", "aot_eager", options, timeout_s=600), MIXERS, "sac")
 
 
 def test_custom_autograd_function_is_refused_or_exact_behind_a_graph_break(pool: SPMDPool) -> None:
