@@ -1,4 +1,5 @@
-"""Collectives under Inductor: never dropped, chained in graph order, and a schedule that breaks the order refused.
+"""Collectives under Inductor: never dropped, chained in graph order, and a schedule that breaks the order refused;
+and never merged by AOT's CSE on any backend.
 
 The end-to-end cases (two independent exchanges that Inductor's memory reordering swapped on one
 rank; a reduce-scatter it dropped on the rank whose piece was empty) are in
@@ -22,6 +23,7 @@ from autosp.passes.collective_order import (
     chain_collectives,
     inductor_patches,
     keep_collectives,
+    never_merged,
     scheduled_order,
     talks_to,
 )
@@ -111,3 +113,41 @@ def test_inductor_patches_take_over_the_memory_reordering():
     assert check.reorder is torch._inductor.config.reorder_for_peak_memory
     # Inductor pickles its config into cache keys.
     assert isinstance(check.__reduce__()[1][0], str)
+
+
+def _twice_reduced() -> fx.Graph:
+    """Two all-reduces of the same zeros and two equal negations: what CSE sees in a loop over positions."""
+    g = fx.Graph()
+    x = g.placeholder("x")
+    outs = []
+    for _ in range(2):
+        zeros = g.call_function(torch.ops.aten.mul.Tensor, (x, 0))
+        outs.append(g.call_function(autosp_ops.all_reduce.default, (zeros, "0", False)))
+        outs.append(g.call_function(torch.ops.aten.neg.default, (x,)))
+    total = outs[0]
+    for o in outs[1:]:  # not returned themselves: CSE keeps values that alias an output
+        total = g.call_function(torch.ops.aten.add.Tensor, (total, o))
+    g.output((total,))
+    with torch._subclasses.FakeTensorMode():
+        for n in g.nodes:  # CSE considers nodes with a tensor value, each of its own storage
+            if n.op != "output":
+                n.meta["val"] = torch.empty(4)
+    return g
+
+
+def _count(g: fx.Graph, target) -> int:
+    return sum(n.target is target for n in g.nodes)
+
+
+def test_cse_never_merges_collectives_but_still_merges_the_rest():
+    from torch._functorch.compile_utils import fx_graph_cse, rand_ops
+
+    before = list(rand_ops)
+    g = _twice_reduced()
+    merged = fx_graph_cse(g)  # what AOT does without the guard: one all-reduce left on this rank
+    assert _count(merged, autosp_ops.all_reduce.default) == 1
+    with never_merged(g):
+        kept = fx_graph_cse(g)
+    assert _count(kept, autosp_ops.all_reduce.default) == 2
+    assert _count(kept, torch.ops.aten.neg.default) == 1  # other equal values are still deduplicated
+    assert rand_ops == before

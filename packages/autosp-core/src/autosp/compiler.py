@@ -21,6 +21,7 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 from autosp.context import CompileContext
 from autosp.hardware_select import resolve as resolve_hardware
 from autosp.options import SPOptions
+from autosp.passes.collective_order import never_merged
 from autosp.passes.manager import PassManager, Stage
 from autosp.registry import Registry
 from autosp.report import Report
@@ -144,11 +145,7 @@ class _Partitioner:
         joint = self.manager.run(Stage.JOINT, joint, self.ctx)
         kwargs.pop("compiler", None)
         if self.ctx.min_cut or self.ctx.options.backend == "inductor":
-            # No CSE under SP: two collectives of equal inputs on one rank (all-reduces of zeros
-            # for positions another rank holds) are two steps of a protocol, not one value.
-            # Merged on one rank only, each later collective would pair with another rank's
-            # next one: a silently wrong result.
-            with torch._functorch.config.patch(cse=not self.ctx.sp):
+            with never_merged(joint.graph):
                 return min_cut_rematerialization_partition(joint, joint_inputs, compiler="inductor", **kwargs)
         kwargs.pop("static_lifetime_input_nodes", None)
         return default_partition(joint, joint_inputs, **kwargs)

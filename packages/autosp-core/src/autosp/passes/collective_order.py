@@ -61,6 +61,32 @@ def talks_to_group(node: Node) -> bool:
 
 
 @contextlib.contextmanager
+def never_merged(graph: Graph) -> Iterator[None]:
+    """AOT's CSE (run before the min-cut partitioner) leaves the graph's group ops alone in this block.
+
+    Two collectives of equal inputs on one rank (all-reduces of zeros for positions another rank
+    holds) are two steps of the exchange, not one value: merged on one rank only, every later
+    collective would pair with another rank's next one, silently. CSE skips random ops by their
+    packet; the group ops join that list here, so everything else is still deduplicated.
+    """
+    from torch._functorch import compile_utils
+
+    rand_ops = getattr(compile_utils, "rand_ops", None)
+    if not isinstance(rand_ops, list):  # a torch without the list: no CSE at all, which is always safe
+        with torch._functorch.config.patch(cse=False):
+            yield
+        return
+    packets = {getattr(n.target, "overloadpacket", n.target) for n in graph.nodes if talks_to_group(n)}
+    added = [p for p in packets if p not in rand_ops]
+    rand_ops.extend(added)
+    try:
+        yield
+    finally:
+        for p in added:
+            rand_ops.remove(p)
+
+
+@contextlib.contextmanager
 def keep_collectives(graph: Graph) -> Iterator[None]:
     """The graph's group ops count as side-effectful (never eliminated) inside this block."""
     from torch.fx.node import _side_effectful_functions
