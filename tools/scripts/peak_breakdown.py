@@ -6,8 +6,8 @@
 
 Each method (names from ``autosp_tools.bench.methods.METHODS``) runs in fresh gloo processes
 (spawn, FileStore): a Llama (GQA 8:2, dim 256, ffn 688, 4 layers, vocab 264, fp32) takes a
-compile step and a warm step, then one step under the memory profiler and one for the resident
-high-water mark (``autosp_tools.bench.peak``). ``--before`` runs every AutoSP method a second time
+compile step and a warm step, then three steps under the memory profiler (the table shows the
+median and the range) and one for the resident high-water mark (``autosp_tools.bench.peak``). ``--before`` runs every AutoSP method a second time
 with the packages of another checkout (a ``git worktree`` of an older commit) first on the path, so
 the peak before and after a change comes from one run. Prints a table and each method's composition.
 """
@@ -146,20 +146,21 @@ def main(argv: list[str] | None = None) -> int:
         f"vocab {args.vocab}, fp32, S={args.seq}, sp={args.sp}, {args.backend}; per rank, MiB above the step's start"
     )
     print(
-        "\n| method | rank | peak (allocator) | in | forward peak | backward peak | kept | resident HWM | loss "
+        "\n| method | rank | peak (allocator, median of 3 steps) | of 3 | in | forward peak | backward peak | kept | resident HWM | loss "
         "| grad norms vs first row |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     first = rows[0][1]
     for label, ranks in rows:
         for r, ref in zip(ranks, first):
             pk = r["peak"]
+            lo, hi = r["peak_spread"]
             hwm = f"{r['hwm'] / MiB:.1f}" if r["hwm"] is not None else "-"
             mine, theirs = _plain_names(r["grad_norms"]), _plain_names(ref["grad_norms"])
             common = mine.keys() & theirs.keys()
             diff = f"{max(abs(mine[n] / theirs[n] - 1) for n in common):.1e}" if common else "-"
             print(
-                f"| {label} | {r['rank']} | {pk.peak / MiB:.1f} | {pk.phase} | {pk.phase_peaks['forward'] / MiB:.1f} "
+                f"| {label} | {r['rank']} | {pk.peak / MiB:.1f} | {lo / MiB:.1f}-{hi / MiB:.1f} | {pk.phase} | {pk.phase_peaks['forward'] / MiB:.1f} "
                 f"| {pk.phase_peaks['backward'] / MiB:.1f} | {pk.end / MiB:.1f} | {hwm} | {r['loss']:.6f} | {diff} |"
             )
     return 0

@@ -15,6 +15,7 @@ extensions) are not seen; the process's resident high-water mark covers them (``
 from __future__ import annotations
 
 import bisect
+import gc
 import json
 import os
 import tempfile
@@ -169,8 +170,15 @@ def profile_peak(step: Callable[[], Any]) -> Peak:
     """Run ``step`` once under the memory profiler; what was live at its peak."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
+    # Garbage of earlier steps freed by a collection inside this one would lower its peak by
+    # chance (peaks moved by 20-40 MiB between runs): collect first, and not during the step.
+    gc.collect()
+    gc.disable()
+    try:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            step()
+    finally:
+        gc.enable()
     with tempfile.TemporaryDirectory(prefix="autosp-peak-") as tmp:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
@@ -206,6 +214,9 @@ class ModelShape:
     kv_heads: int = 2
     hidden: int = 688
     vocab: int = 264  # autosp_tools.bench.workload.VOCAB: the batch draws ids below it
+
+
+PROFILED_STEPS = 3
 
 
 def measure_method(
@@ -250,13 +261,18 @@ def measure_method(
 
     for _ in range(2):  # compile, then one step with everything warm
         step()
-    peak = profile_peak(step)
+    # The median of three profiled steps: gloo's background threads allocate at times that vary
+    # between steps, which moves a single step's peak by up to 20 MiB here.
+    peaks = sorted((profile_peak(step) for _ in range(PROFILED_STEPS)), key=lambda p: p.peak)
+    peak = peaks[len(peaks) // 2]
+    spread = (peaks[0].peak, peaks[-1].peak)
     hwm = hwm_delta(step)
     grads = {n: p.grad for n, p in runner.model.named_parameters() if p.grad is not None}
     return {
         "method": name,
         "rank": rank,
         "peak": peak,
+        "peak_spread": spread,
         "hwm": hwm,
         "loss": losses[-1],
         "grad_norms": {n: float(g.double().norm()) for n, g in grads.items()},
