@@ -5,8 +5,8 @@ The liveness walk sees a collective as one node allocating its result. Its imple
 copies. They are allocations like any other (CUDA's ``memory_allocated`` and the CPU allocator's
 profiler events count them), so the walk adds them: ``transient`` bytes are live together with
 the result at the op's highest moment and freed when it returns; ``held`` bytes are allocated by
-an exchange's start and freed by its wait before it lays out its result (the start keeps its send
-buffer referenced while the data is in flight). Each term names the buffer of the implementation it stands for.
+an exchange's start and freed when its wait returns (the start keeps its send buffer referenced
+while the data is in flight). Each term names the buffer of the implementation it stands for.
 """
 
 from __future__ import annotations

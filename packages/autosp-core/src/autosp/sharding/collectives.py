@@ -183,9 +183,6 @@ def all_to_all_wait(buf: Tensor, shape: list[int], scatter_dim: int, gather_dim:
         pending = _PENDING.pop(buf.data_ptr(), None)
         if pending is not None:
             pending[0].wait()
-            # The send copy is free before the result is laid out: this wait is often the
-            # activation peak (a q/k/v exchange in the backward), and send is as large as buf.
-            del pending
     world = dist.get_world_size(_group(group_name))
     rest = [n for d, n in enumerate(shape) if d != scatter_dim]
     recv = buf.view(world, shape[scatter_dim] // world, *rest)
