@@ -262,7 +262,7 @@ def measure_method(
     for _ in range(2):  # compile, then one step with everything warm
         step()
     # The median of three profiled steps: gloo's background threads allocate at times that vary
-    # between steps, which moves a single step's peak by up to 20 MiB here.
+    # between steps, which moved a single step's peak by 30-40 MiB here.
     peaks = sorted((profile_peak(step) for _ in range(PROFILED_STEPS)), key=lambda p: p.peak)
     peak = peaks[len(peaks) // 2]
     spread = (peaks[0].peak, peaks[-1].peak)
