@@ -95,6 +95,12 @@ def _worker(
         os._exit(1)
     beat.done(0)
     dist.destroy_process_group()
+    # Importing torch._dynamo keeps the default group's object alive past destroy_process_group
+    # (torch 2.13): gloo would be torn down during interpreter finalization, where it aborts now and
+    # then (SIGABRT, "terminate called without an active exception") after the work is done.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _spawn(fn: Callable[[Any, int, int], R], cfg: Any) -> R:
