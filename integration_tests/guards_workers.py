@@ -73,6 +73,26 @@ def input_faults(rank: int, world: int) -> dict[str, Any]:
     hashed = autosp.compile(build("llama"), backend="eager", check_inputs="hash")
     out["same_hash"] = attempt(lambda: hashed(_ids(2, 64), _ids(2, 64)))
 
+    # A graph that compiles on rank 0 and fails to compile on rank 1 (its backward, then its
+    # forward): rank 0 must not run it and wait in a collective rank 1 never joins.
+    from autosp.passes.manager import PassManager, Stage
+
+    run_passes = PassManager.run
+    for stage in (Stage.BACKWARD, Stage.FORWARD):
+
+        def fails_on_rank_1(self: Any, at: Stage, gm: Any, ctx: Any, stage: Stage = stage) -> Any:
+            if at is stage and rank == 1:
+                raise RuntimeError(f"injected: the {stage.value} graph does not compile on rank 1")
+            return run_passes(self, at, gm, ctx)
+
+        PassManager.run = fails_on_rank_1
+        try:
+            compiled = autosp.compile(build("llama"), backend="eager")
+            out[f"compile_fails_{stage.value}"] = attempt(lambda: compiled(_ids(2, 32), _ids(2, 32)).backward())
+        finally:
+            PassManager.run = run_passes
+    out["after_compile_failure"] = attempt(lambda: compiled(_ids(2, 32), _ids(2, 32)))
+
     # autosp.backend used directly: the check runs inside the compiled graph.
     direct = torch.compile(build("llama"), backend=autosp.backend(backend="eager"))
     ids = _ids(2, 64) if rank == 0 else _ids(1, 128)

@@ -476,6 +476,7 @@ def inputs(name: str, seq: int = 16, batch: int = 2) -> tuple[torch.Tensor, ...]
         "no-grad-target",
         "reverse-attention",
         "last-queries",
+        "rotated",
         "custom-function",
         "custom-function-disabled",
     ):
@@ -827,6 +828,25 @@ class LastQueries(LMBase):
         return self.head(o.transpose(1, 2).reshape(B, 4, D)).logsumexp(-1).mean() + self.lm_loss(x, ids)
 
 
+class Rotated(LMBase):
+    """The sequence rotated by half before attention and back after it (a cyclic shift).
+
+    At sp=2 each half lies whole on one rank, so every gradient piece of a reduce-scatter in the
+    backward is empty on one rank: Inductor removed the empty result there, and with it the edge
+    that kept that rank's collectives in order.
+    """
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        half = x.shape[1] // 2
+
+        def rotate(t):
+            return torch.cat([t[:, half:], t[:, :half]], 1)
+
+        x = x + rotate(self.attn(self.ln(rotate(x))))
+        return self.lm_loss(x, ids)
+
+
 class EncoderDecoder(nn.Module):
     """An encoder over the source and a causal decoder over a target of half its length, with cross-attention."""
 
@@ -892,6 +912,7 @@ BUILDERS.update(
         "no-grad-target": lambda s: NoGradTarget(),
         "reverse-attention": lambda s: ReverseAttention(),
         "last-queries": lambda s: LastQueries(),
+        "rotated": lambda s: Rotated(),
         "encoder-decoder": lambda s: EncoderDecoder(),
         "funnel": lambda s: Funnel(),
         "latent-queries": lambda s: LatentQueries(),

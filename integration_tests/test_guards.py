@@ -93,6 +93,26 @@ def test_backend_used_directly_checks_inside_the_graph(faults):
         )
 
 
+def test_a_graph_that_fails_to_compile_on_one_rank_fails_on_every_rank(faults):
+    r0, r1 = faults
+    for stage in ("backward", "forward"):
+        got, own = r0[f"compile_fails_{stage}"], r1[f"compile_fails_{stage}"]
+        _error(
+            got,
+            "CompileFailed",
+            r"compiled on this rank \(global rank 0\) but not on every SP rank",
+            rf"global rank 1: RuntimeError: injected: the {stage} graph does not compile on rank 1",
+            "no rank runs it",
+        )
+        # Agreed when the compile ends, not after the peer's collective timeout (120 s here).
+        assert got["seconds"] < FAST_S * 2, got
+        assert f"injected: the {stage} graph does not compile on rank 1" in own["message"], own
+        assert own["error"] != "CompileFailed", own
+    # The ranks are still in step: the same program compiles again and runs.
+    assert r0["after_compile_failure"]["error"] is None, r0["after_compile_failure"]
+    assert r0["after_compile_failure"]["loss"] == r1["after_compile_failure"]["loss"]
+
+
 def test_rank_that_raises_and_stays_alive():
     (r0, r1) = run_spmd(guards_workers.rank_raises, 2, TIMEOUT_S, fresh=True)
     assert r0["group_timeouts"] == r1["group_timeouts"] == [120.0, TIMEOUT_S]

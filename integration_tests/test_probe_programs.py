@@ -54,8 +54,9 @@ PROBES = {
     "ring": [*COMMON, ("instancenorm", 16, 2), ("select-topk", 16, 3), ("funnel", 16, 2)],
 }
 # Under Inductor: collectives whose order Inductor would choose by rank-dependent sizes (two
-# independent exchanges), and one a rank would drop (its piece of the queries is empty).
-INDUCTOR = [("reverse-attention", 16, 2), ("last-queries", 16, 2), ("mix-position-loop", 16, 2)]
+# independent exchanges), one a rank would drop (its piece of the queries is empty), and ones
+# whose ordering edge a rank would drop (its piece of their result is empty).
+INDUCTOR = [("reverse-attention", 16, 2), ("last-queries", 16, 2), ("mix-position-loop", 16, 2), ("rotated", 16, 2)]
 # Token mixing beyond attention, with SAC on (the min-cut partitioner, which once merged equal
 # collectives on one rank by CSE: the position loop's all-reduces then paired wrongly across ranks).
 MIXERS = [

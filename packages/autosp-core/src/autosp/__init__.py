@@ -10,6 +10,7 @@ from importlib import metadata as _metadata
 
 from autosp.analysis.attention import AttentionSite, AttentionSpec
 from autosp.api import AutoSPBackend, backend, compile, explain
+from autosp.compile_agreement import CompileFailed
 from autosp.errors import AutoSPError, ConfigError, VerificationError
 from autosp.guards import CollectiveFailure, EagerFallback, InputMismatch
 from autosp.hardware import HardwareProfile
@@ -35,6 +36,7 @@ __all__ = [
     "AutoSPBackend",
     "AutoSPError",
     "CollectiveFailure",
+    "CompileFailed",
     "ConfigError",
     "EagerFallback",
     "HardwareProfile",

@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, TypedDict, cast
 
 import torch
 
-from autosp.guards import GraphRuns, GuardedCall, guard_compiled, guard_graph, wait_for_compiles
+from autosp.compile_agreement import agree_on_compile
+from autosp.guards import GraphRuns, GuardedCall, guard_compiled, guard_graph
 from autosp.hardware import load_profile
 from autosp.hardware_select import HardwareOption
 from autosp.input_check import CheckMode, InputCheck
@@ -104,21 +105,23 @@ class AutoSPBackend:
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         from autosp.compiler import _is_param, compile_graph
 
-        if self.sync_group is None:
-            fn = compile_graph(gm, example_inputs, self.options, self.registry, self.group, self.world, self.reports)
+        def compile_it() -> Callable[..., Any]:
+            return compile_graph(gm, example_inputs, self.options, self.registry, self.group, self.world, self.reports)
+
+        if self.world == 1:
+            fn = compile_it()
         else:
-            # The backward compiles now, not at the first backward: its compile time must not count
-            # against timeout= either (waited out by wait_for_compiles, on the world's timeout).
+            # The backward compiles now, not at the first backward, so that a rank whose backward
+            # fails to compile fails here, agreed with its peers (see autosp.compile_agreement).
+            compile_id = torch._guards.CompileContext.current_compile_id()
+            what = f"graph [{compile_id}]" if compile_id is not None else "a graph"
             with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
-                fn = compile_graph(
-                    gm, example_inputs, self.options, self.registry, self.group, self.world, self.reports
-                )
+                agreeing = self.sync_group if self.sync_group is not None else self.group
+                fn = agree_on_compile(compile_it, agreeing, what)
         if self.check_graphs and self.input_check is not None:
             names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
             params = [_is_param(n, x) for n, x in zip(names, example_inputs)]
             fn = guard_graph(fn, names, params, self.input_check)
-        if self.sync_group is not None:
-            fn = wait_for_compiles(fn, self.sync_group)
         return self.runs.wrap(fn)
 
 

@@ -30,13 +30,12 @@ from autosp.input_check import (
     InputCheck,
     InputMismatchError,
     Leaf,
-    collective_device,
     flatten_inputs,
     signature_of,
     tensor_meta,
 )
 from autosp.options import group_timeout
-from autosp.weak_group import WeakGroup, weak_call
+from autosp.weak_group import WeakGroup
 
 _COMM_FAILURES = ("Timed out", "timed out", "Connection closed by peer", "Connection reset by peer", "Broken pipe")
 _MAX_SEEN = 12
@@ -229,35 +228,6 @@ def guard_graph(
     return run
 
 
-def wait_for_compiles(fn: Callable[..., Any], sync_group: Any) -> Callable[..., Any]:
-    """The first run of a new graph first waits until every SP rank has compiled it.
-
-    On ``sync_group`` (the SP ranks with the world's timeout), so that compile time, which
-    differs between ranks, never counts against the SP group's short ``timeout``.
-    """
-    pending = True
-    get_sync_group = weak_call(sync_group, "wait_for_compiles")
-    del sync_group
-
-    @functools.wraps(fn)
-    def run(*args: Any) -> Any:
-        nonlocal pending
-        if pending:
-            sync_group = get_sync_group()
-            try:
-                dist.all_reduce(torch.zeros(1, device=collective_device(sync_group)), group=sync_group)
-            except Exception as e:
-                if is_comm_failure(e):
-                    raise CollectiveFailure(
-                        comm_failure_message("waiting for every SP rank to compile the new graph", sync_group, e)
-                    ) from e
-                raise
-            pending = False
-        return fn(*args)
-
-    return run
-
-
 def guard_compiled(compiled: Any, model: Any, call: GuardedCall) -> Any:
     """Route calls of ``torch.compile``'s result through ``call``, keeping its type and attributes.
 
@@ -282,5 +252,4 @@ __all__ = [
     "is_comm_failure",
     "recompile_message",
     "run_check",
-    "wait_for_compiles",
 ]

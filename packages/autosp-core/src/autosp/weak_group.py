@@ -65,19 +65,4 @@ def _torn_down(ref: Callable[[], Any]) -> bool:
     return isinstance(ref, weakref.ref) and not dist.is_initialized()
 
 
-def weak_call(group: Any, what: str) -> Any:
-    """A function returning ``group`` while it exists, for closures that must not own it."""
-    if group is None:
-        return lambda: None
-    ref = _ref(group)
-
-    def get() -> Any:
-        alive = ref()
-        if alive is None or _torn_down(ref):
-            raise _destroyed(what, "group")
-        return alive
-
-    return get
-
-
-__all__ = ["WeakGroup", "weak_call"]
+__all__ = ["WeakGroup"]

@@ -20,7 +20,14 @@ So, for a graph AutoSP compiles with Inductor:
 2. ``CollectiveOrder`` (post-grad pass): each group op depends on the one before it, through
    Inductor's own ``control_deps`` (how it keeps random ops in program order), and carries its
    position in the graph's order.
-3. ``ScheduleCheck`` (after fusion, in place of Inductor's own memory reordering, which is
+3. ``ChainScheduled`` (before fusion): the same chain again, between the scheduler nodes of the
+   group ops themselves. The first chain runs through each op's result, and a result that is
+   empty on one rank (its piece of a reduce-scatter) is dead code there: Inductor removes it, and
+   the ordering edge with it, and the op floats to wherever the scheduler likes (a rotated
+   sequence, ``torch.cat([x[:, k:], x[:, :k]], 1)``, lost it on one rank). An op's own buffer is
+   never removed (the op is side-effectful), so the chain here holds, as Inductor's own
+   ``decide_global_ordering_of_comms`` keeps its collectives in order.
+4. ``ScheduleCheck`` (after fusion, in place of Inductor's own memory reordering, which is
    switched off for these graphs): the schedule's group ops must come in that order, or compiling
    fails here, on this rank, with an error that says so, instead of a hang. The memory reordering
    then runs as Inductor would run it, and its result is kept only where it keeps that order.
@@ -127,17 +134,58 @@ class CollectiveOrder(CustomGraphPass):
         return f"autosp-collective-order-{_SOURCE}-{then}"
 
 
+def group_op_index(snode: Any) -> list[int]:
+    """Graph positions of the group ops a scheduler node runs (none for compute)."""
+    found: list[int] = []
+    for sub in snode.get_nodes():
+        ir_node = sub.node
+        if ir_node is None or not talks_to(getattr(ir_node, "op_overload", None)):
+            continue
+        found.extend(sorted({o.meta[INDEX] for o in ir_node.get_origins() if isinstance(o, Node) and INDEX in o.meta}))
+    return found
+
+
 def scheduled_order(nodes: list[Any]) -> list[int]:
     """Graph positions of the group ops, in the order the scheduler nodes run them."""
-    order = []
-    for snode in nodes:
-        for sub in snode.get_nodes():
-            ir_node = sub.node
-            if ir_node is None or not talks_to(getattr(ir_node, "op_overload", None)):
-                continue
-            found = {o.meta[INDEX] for o in ir_node.get_origins() if isinstance(o, Node) and INDEX in o.meta}
-            order.extend(sorted(found))
-    return order
+    return [i for snode in nodes for i in group_op_index(snode)]
+
+
+class ChainScheduled(CustomSchedulerPass):
+    """Inductor's ``_pre_fusion_custom_pass``: each group op's node waits for the one before it.
+
+    Ordering-only edges (``WeakDep``, ``is_fake``: no buffer lives longer for them) on the previous
+    op's own buffers, then the nodes sorted again and the ancestors that fusion checks for cycles
+    recomputed, so no fusion can undo the order.
+    """
+
+    def __init__(self, then: Any = None) -> None:
+        self.then = then
+
+    def __call__(self, nodes: list[Any]) -> list[Any]:
+        if self.then is not None:
+            nodes = self.then(nodes)
+        ops = sorted((i, pos, n) for pos, n in enumerate(nodes) for i in group_op_index(n)[:1])
+        if len(ops) < 2:
+            return nodes
+        from torch._inductor.dependencies import WeakDep
+
+        for (_, _, before), (_, _, node) in zip(ops, ops[1:]):
+            mutating = next(iter(node.get_buffer_names()))
+            for name in before.get_buffer_names():
+                node.add_fake_dep(WeakDep(name, mutating_buf=mutating, is_fake=True))
+        scheduler = nodes[0].scheduler
+        nodes = scheduler.topological_sort_schedule(nodes)
+        scheduler.nodes = nodes  # what the ancestors and input distances are computed over
+        scheduler.compute_ancestors()
+        scheduler.compute_input_distances()
+        return nodes
+
+    def uuid(self) -> str:
+        then = self.then.uuid() if isinstance(self.then, CustomSchedulerPass) else repr(self.then)
+        return f"autosp-chain-scheduled-{_SOURCE}-{then}"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (str, (self.uuid(),))
 
 
 def _in_order(order: list[int]) -> bool:
@@ -196,6 +244,7 @@ def inductor_patches() -> dict[str, Any]:
     config = torch._inductor.config
     return {
         "post_grad_custom_post_pass": CollectiveOrder(config.post_grad_custom_post_pass),
+        "_pre_fusion_custom_pass": ChainScheduled(config._pre_fusion_custom_pass),
         "_post_fusion_custom_pass": ScheduleCheck(config.reorder_for_peak_memory, config._post_fusion_custom_pass),
         "reorder_for_peak_memory": False,
     }
@@ -203,9 +252,11 @@ def inductor_patches() -> dict[str, Any]:
 
 __all__ = [
     "INDEX",
+    "ChainScheduled",
     "CollectiveOrder",
     "ScheduleCheck",
     "chain_collectives",
+    "group_op_index",
     "inductor_patches",
     "keep_collectives",
     "scheduled_order",

@@ -1,0 +1,49 @@
+"""agree_on_compile on threads joined by torch's threaded process group (real collectives)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+from autosp.compile_agreement import CompileFailed, agree_on_compile
+from autosp.sharding.testing.threads import collectives_issued, simulate
+
+
+def _outcome(fn: Any) -> tuple[str, str]:
+    try:
+        return "ok", str(fn())
+    except Exception as e:  # noqa: BLE001 - the test asserts on it
+        return type(e).__name__, str(e)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_rank_returns_when_every_rank_compiled(world: int) -> None:
+    def rank_fn(rank: int, _: str) -> tuple[tuple[str, str], list[str]]:
+        got = _outcome(lambda: agree_on_compile(lambda: f"graph of rank {rank}", dist.group.WORLD, "graph [0/0]"))
+        return got, collectives_issued()
+
+    for rank, (got, issued) in enumerate(simulate(rank_fn, world)):
+        assert got == ("ok", f"graph of rank {rank}")
+        assert issued == ["all_reduce[(1,)]"]  # one scalar, nothing gathered
+
+
+def test_a_failure_on_one_rank_is_raised_on_every_rank() -> None:
+    def rank_fn(rank: int, _: str) -> tuple[str, str]:
+        def compile_fn() -> str:
+            if rank in (1, 2):
+                raise RuntimeError(f"rank {rank}'s schedule check\nmore detail")
+            return "compiled"
+
+        return _outcome(lambda: agree_on_compile(compile_fn, dist.group.WORLD, "graph [0/1]"))
+
+    r0, r1, r2, r3 = simulate(rank_fn, 4)
+    assert r1 == ("RuntimeError", "rank 1's schedule check\nmore detail")  # its own error, as it was
+    assert r2[0] == "RuntimeError"
+    for kind, message in (r0, r3):
+        assert kind == CompileFailed.__name__
+        assert "graph [0/1] compiled on this rank" in message
+        assert "global rank 1: RuntimeError: rank 1's schedule check;" in message
+        assert "global rank 2: RuntimeError: rank 2's schedule check" in message
+        assert "more detail" not in message and "global rank 0:" not in message
