@@ -61,3 +61,14 @@ def test_a_dataclass_field_defaults_to_none_and_compares_by_the_group(initialize
     assert options.group is group and options == SPOptions(group=group)
     assert dataclasses.replace(options, sp_size=2).group is group
     assert "group" not in vars(options)  # only the weak reference is stored
+
+
+def test_repr_names_a_destroyed_group_instead_of_raising(initialized: None) -> None:
+    group = _Group()
+    options = SPOptions(sp_size=2, group=group)
+    assert "sp_size=2" in repr(options) and "_Group object" in repr(options)
+    del group
+    gc.collect()
+    text = repr(options)  # a log line or a debugger must not raise
+    assert text.startswith("SPOptions(sp_size=2, variant='ulysses'") and "group=<destroyed process group>" in text
+    assert "timeout=None" in text

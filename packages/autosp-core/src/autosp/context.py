@@ -13,12 +13,12 @@ from autosp.options import SPOptions
 from autosp.registry import Registry
 from autosp.report import Report
 from autosp.variants import SPVariant
-from autosp.weak_group import WeakGroup
+from autosp.weak_group import WeakGroup, weak_repr
 
 T = TypeVar("T")
 
 
-@dataclass
+@dataclass(repr=False)
 class CompileContext:
     """State shared by the passes of one compiled graph.
 
@@ -64,6 +64,8 @@ class CompileContext:
     variant_state: Any = None
     group: Any = WeakGroup()  # held weakly: see autosp.weak_group
     _plugin_state: dict[type, Any] = field(default_factory=dict)
+
+    __repr__ = weak_repr
 
     def put_state(self, value: Any) -> None:
         """Keep a plugin's per-compile state, keyed by its type (one value per type)."""

@@ -11,13 +11,13 @@ import torch.distributed as dist
 from autosp.errors import ConfigError
 from autosp.hardware_select import HardwareOption, check_option
 from autosp.input_check import CHECK_MODES, CheckMode
-from autosp.weak_group import WeakGroup
+from autosp.weak_group import WeakGroup, weak_repr
 
 Backend = Literal["inductor", "aot_eager", "eager"]
 BACKENDS = ("inductor", "aot_eager", "eager")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class SPOptions:
     """Options of ``autosp.compile`` / ``autosp.backend``.
 
@@ -71,6 +71,8 @@ class SPOptions:
     memory_budget: int | float | None = None
     hardware: HardwareOption = None
     outputs: Literal["whole", "sharded"] = "whole"
+
+    __repr__ = weak_repr
 
     def __post_init__(self) -> None:
         aliases: dict[object, str] = {False: "off", True: "tokens"}

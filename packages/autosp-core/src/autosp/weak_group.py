@@ -11,6 +11,7 @@ object of AutoSP that outlives a compile holds its groups through ``WeakGroup``.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -65,4 +66,18 @@ def _torn_down(ref: Callable[[], Any]) -> bool:
     return isinstance(ref, weakref.ref) and not dist.is_initialized()
 
 
-__all__ = ["WeakGroup"]
+def weak_repr(obj: Any) -> str:
+    """A dataclass's repr that reads a destroyed group as such instead of raising (a log line must not fail)."""
+    parts = []
+    for f in dataclasses.fields(obj):
+        if not f.repr:
+            continue
+        try:
+            value = repr(getattr(obj, f.name))
+        except ConfigError:
+            value = "<destroyed process group>"
+        parts.append(f"{f.name}={value}")
+    return f"{type(obj).__qualname__}({', '.join(parts)})"
+
+
+__all__ = ["WeakGroup", "weak_repr"]
