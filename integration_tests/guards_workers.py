@@ -73,6 +73,16 @@ def input_faults(rank: int, world: int) -> dict[str, Any]:
     hashed = autosp.compile(build("llama"), backend="eager", check_inputs="hash")
     out["same_hash"] = attempt(lambda: hashed(_ids(2, 64), _ids(2, 64)))
 
+    # Ranks whose weights differ (rank 1's model perturbed, as an unseeded init or a checkpoint
+    # loaded on rank 0 only would leave it): the SP program would run and match no model.
+    drifted = build("llama")
+    with torch.no_grad():
+        drifted.blocks[0].q.weight.add_(1e-3 * rank)
+    out["params_differ"] = attempt(lambda: autosp.compile(drifted, backend="eager")(_ids(2, 32), _ids(2, 32)))
+    out["params_differ_shapes_mode"] = attempt(
+        lambda: autosp.compile(drifted, backend="eager", check_inputs="shapes")(_ids(2, 32), _ids(2, 32))
+    )
+
     # A graph that compiles on rank 0 and fails to compile on rank 1 (its backward, then its
     # forward): rank 0 must not run it and wait in a collective rank 1 never joins.
     from autosp.passes.manager import PassManager, Stage

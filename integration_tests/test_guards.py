@@ -93,6 +93,23 @@ def test_backend_used_directly_checks_inside_the_graph(faults):
         )
 
 
+def test_ranks_holding_different_weights_are_refused(faults):
+    messages = {
+        _error(
+            r["params_differ"],
+            "ParameterMismatch",
+            r"hold different parameters or buffers, 1 of \d+ that this graph reads",
+            r"  blocks\.0\.q\.weight: rank 0 / rank 1\n",
+            r"torch\.manual_seed",
+        )
+        for r in faults
+    }
+    assert len(messages) == 1
+    assert faults[0]["params_differ"]["seconds"] < FAST_S
+    # Opting out of content checks opts out of this one too: the program runs (and matches no model).
+    assert all(r["params_differ_shapes_mode"]["error"] is None for r in faults)
+
+
 def test_a_graph_that_fails_to_compile_on_one_rank_fails_on_every_rank(faults):
     r0, r1 = faults
     for stage in ("backward", "forward"):

@@ -35,7 +35,11 @@ def _error_of(fn) -> tuple[str, str] | None:
 
 
 def config_errors(rank: int, world: int) -> dict[str, Any]:
-    """Every bad-input case on a real process group; collectives are trapped to prove none ran."""
+    """Every bad-input case on a real process group; collectives are trapped to prove none ran.
+
+    Except one: an error raised while a graph compiles is agreed on by one all-reduce over the SP
+    ranks (``autosp.compile_agreement``), let through and recorded per case.
+    """
     import os
 
     import autosp
@@ -51,6 +55,8 @@ def config_errors(rank: int, world: int) -> dict[str, Any]:
     def trap(name):
         def collective(*args, **kwargs):
             called.append(name)
+            if name == "all_reduce":
+                return saved[name](*args, **kwargs)
             raise RuntimeError(f"collective {name} called")
 
         return collective
@@ -76,13 +82,16 @@ def config_errors(rank: int, world: int) -> dict[str, Any]:
                 torch.randn(1, 9, 12), torch.randn(1, 6, 12)
             ),
         }
+        collectives: dict[str, list[str]] = {}
         for key, case in cases.items():
             torch._dynamo.reset()
             results[key] = _error_of(case)
+            collectives[key] = called[:]
+            called.clear()
     finally:
         for name, fn in saved.items():
             setattr(dist, name, fn)
-    results["collectives_called"] = called
+    results["collectives_called"] = collectives
 
     # Dynamic shapes (as after a recompile on a new length): runs for real once it compiles.
     torch._dynamo.reset()

@@ -132,8 +132,24 @@ def _on_every_rank(results, key):
     return errors[0]
 
 
+COMPILE_ERRORS = ("seq_not_divisible", "heads_not_divisible", "two_lengths")
+
+
 def test_no_collective_before_the_errors(spmd_errors):
-    assert [r["collectives_called"] for r in spmd_errors] == [[], [], []]
+    for r in spmd_errors:
+        called = r["collectives_called"]
+        assert set(called) == set(COMPILE_ERRORS) | {
+            "unknown_variant",
+            "ring_variant",
+            "sp_not_dividing",
+            "sp_too_large",
+            "bad_backend",
+            "group_and_smaller_sp",
+        }
+        for case, names in called.items():
+            # Errors in a compile: the one all-reduce by which the ranks agree that it failed (and
+            # nothing of the SP program); errors in the options: nothing at all.
+            assert names == (["all_reduce"] if case in COMPILE_ERRORS else []), (case, names)
 
 
 def test_spmd_unknown_variant(spmd_errors):

@@ -16,6 +16,7 @@ from autosp.guards import CollectiveFailure, EagerFallback, InputMismatch
 from autosp.hardware import HardwareProfile
 from autosp.hookspecs import hookimpl
 from autosp.options import SPOptions
+from autosp.param_check import ParameterMismatch
 from autosp.passes.manager import Pass, Stage
 from autosp.plan import plan  # the function: autosp.plan(model, gpus=..., hardware=...)
 from autosp.report import Report
@@ -41,6 +42,7 @@ __all__ = [
     "EagerFallback",
     "HardwareProfile",
     "InputMismatch",
+    "ParameterMismatch",
     "Pass",
     "Report",
     "SPOptions",

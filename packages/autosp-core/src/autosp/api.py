@@ -15,6 +15,7 @@ from autosp.hardware import load_profile
 from autosp.hardware_select import HardwareOption
 from autosp.input_check import CheckMode, InputCheck
 from autosp.options import Backend, SPOptions, compile_sync_group, resolve_group
+from autosp.param_check import ParameterCheck, check_state_on_first_run
 from autosp.registry import get_registry
 from autosp.report import Report
 from autosp.weak_group import WeakGroup
@@ -101,6 +102,10 @@ class AutoSPBackend:
             if self.world > 1 and options.check_inputs != "off"
             else None
         )
+        # Contents are compared where the inputs' contents are: by default, and with "hash".
+        self.param_check = (
+            ParameterCheck(self.group) if self.world > 1 and options.check_inputs in ("tokens", "hash") else None
+        )
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         from autosp.compiler import _is_param, compile_graph
@@ -118,9 +123,11 @@ class AutoSPBackend:
             with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
                 agreeing = self.sync_group if self.sync_group is not None else self.group
                 fn = agree_on_compile(compile_it, agreeing, what)
+        names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+        params = [_is_param(n, x) for n, x in zip(names, example_inputs)]
+        if self.param_check is not None:
+            fn = check_state_on_first_run(fn, names, params, self.param_check)
         if self.check_graphs and self.input_check is not None:
-            names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
-            params = [_is_param(n, x) for n, x in zip(names, example_inputs)]
             fn = guard_graph(fn, names, params, self.input_check)
         return self.runs.wrap(fn)
 

@@ -37,11 +37,12 @@ class SPOptions:
             contents of its integer and boolean tensors: token ids, labels, masks, positions, and
             65,536 evenly spread elements of each floating-point one), "shapes" (no contents),
             "hash" (all the contents of every input tensor) or "off" (``False`` means "off",
-            ``True`` "tokens").
+            ``True`` "tokens"). With "tokens" and "hash" the first run of each graph also
+            compares a sample of every parameter and buffer it reads (``autosp.param_check``).
         timeout: seconds (or a ``timedelta``) after which a collective of AutoSP fails when
             another SP rank does not take part; AutoSP creates its SP group with it. Compiles
-            do not count: before the first run of a new graph the ranks wait for each other on
-            the world's timeout. ``None``: the world's timeout (also for the subgroups AutoSP
+            do not count: each compile ends with the ranks agreeing on it, on the world's
+            timeout (``autosp.compile_agreement``). ``None``: the world's timeout (also for the subgroups AutoSP
             makes). Not with ``group=``: create your group with its timeout.
         tile_loss: compute a token-wise LM head and its cross entropy in chunks of tokens, so the
             ``[tokens, vocab]`` logits are never whole (``autosp.tile_loss``): True (default) where it

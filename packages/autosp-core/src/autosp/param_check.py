@@ -1,0 +1,143 @@
+"""The SP ranks hold the same parameters and buffers when a compiled graph first runs.
+
+The contract assumes one model: each rank computes its piece of the sequence with the same
+weights. Ranks whose weights differ (a model built without seeding every rank alike, a checkpoint
+loaded on rank 0 only) still exchange pieces of the right shapes, so the SP program runs and
+returns a loss that matches no single-device model: silently. DDP and DeepSpeed broadcast rank 0's
+state when they wrap a model; ``autosp.compile`` alone does not. So the first run of every SP graph
+compares the parameters and buffers it reads across the SP ranks, as the input check compares the
+inputs: one all-gather of one digest, and a second, rich exchange only on a mismatch (every rank
+saw the same digests, so every rank takes it). Later runs skip it: from equal weights the contract
+keeps the gradients, and so the updates, equal.
+
+Each tensor is compared by an evenly spread sample of at most ``SAMPLE`` elements, bitwise: weights
+initialised or loaded differently differ almost everywhere, and the cost stays that of a few
+kernels per tensor once per graph, whatever the model's size.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from autosp.errors import AutoSPError
+from autosp.guards import CollectiveFailure, comm_failure_message, is_comm_failure
+from autosp.input_check import collective_device, fingerprint
+from autosp.weak_group import WeakGroup
+
+SAMPLE = 4096
+_SHOWN = 5
+
+
+class ParameterMismatch(AutoSPError):
+    """The SP ranks hold different parameters or buffers: the SP program would match no single model."""
+
+
+def state_name(placeholder: str) -> str:
+    """``L_self_modules_layers_modules_0_modules_q_parameters_weight_`` -> ``layers.0.q.weight``."""
+    name = re.sub(r"^L_(self_)?|_$", "", placeholder)
+    name = re.sub(r"^(modules|parameters|buffers)_", "", name)
+    return re.sub(r"_(modules|parameters|buffers)_", ".", name)
+
+
+def _sample(t: torch.Tensor) -> torch.Tensor:
+    flat = t.detach().reshape(-1)
+    if flat.numel() <= SAMPLE:
+        return flat
+    return flat[:: -(-flat.numel() // SAMPLE)]
+
+
+class ParameterCheck:
+    """Compares named tensors across ``group``; raises ``ParameterMismatch`` on every rank if any differ."""
+
+    group = WeakGroup()
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+
+    def __call__(self, named: Sequence[tuple[str, torch.Tensor]]) -> None:
+        group = self.group
+        device = collective_device(group)
+        fps = torch.stack([fingerprint(_sample(t)).to(device) for _, t in named]).tolist() if named else []
+        digest = hash(tuple(fps)) if fps else 0  # one process's hash of ints: the same on every rank
+        rows = torch.full((dist.get_world_size(group),), digest, dtype=torch.int64, device=device)
+        dist.all_gather_single(rows, rows[:1].clone(), group=group)
+        if len(set(rows.tolist())) == 1:
+            return
+        gathered: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, [(name, fp) for (name, _), fp in zip(named, fps)], group=group)
+        raise ParameterMismatch(mismatch_message(gathered, dist.get_process_group_ranks(group)))
+
+
+def mismatch_message(gathered: list[list[tuple[str, int]]], ranks: list[int]) -> str:
+    """Which tensors differ, and which ranks agree on each (``gathered[i]``: SP rank i's)."""
+    tables = [dict(per_rank) for per_rank in gathered]
+    names = list(tables[0])
+    differ = [n for n in names if len({t.get(n) for t in tables}) > 1]
+    lines = []
+    for name in differ[:_SHOWN]:
+        groups: dict[Any, list[int]] = {}
+        for i, t in enumerate(tables):
+            groups.setdefault(t.get(name), []).append(ranks[i])
+        lines.append(
+            f"  {name}: " + " / ".join(f"ranks {rs}" if len(rs) > 1 else f"rank {rs[0]}" for rs in groups.values())
+        )
+    if len(differ) > _SHOWN:
+        lines.append(f"  ... and {len(differ) - _SHOWN} more of {len(names)}")
+    if not differ:
+        lines.append("  (their digests differ, each tensor's fingerprint agrees: a digest collision)")
+    return (
+        f"the SP ranks (global ranks {ranks}) hold different parameters or buffers, {len(differ)} of "
+        f"{len(names)} that this graph reads:\n" + "\n".join(lines) + "\n"
+        "Every rank of an SP group computes its piece of the sequence with its own copy of the model, so the "
+        "copies must be equal, or the result matches no single-device model. Seed every rank alike before "
+        "building the model (torch.manual_seed), load the same checkpoint on every rank, or broadcast rank "
+        "0's state (DDP and DeepSpeed do when they wrap the model). check_inputs='shapes' or 'off' skips "
+        "this check."
+    )
+
+
+def check_state_on_first_run(
+    fn: Callable[..., Any], names: Sequence[str], is_state: Sequence[bool], check: ParameterCheck
+) -> Callable[..., Any]:
+    """``fn`` (a compiled graph) compares its parameter and buffer inputs across the SP ranks once."""
+    keep = [i for i, s in enumerate(is_state) if s]
+    pending = True
+
+    @functools.wraps(fn)
+    def run(*args: Any) -> Any:
+        nonlocal pending
+        if pending:
+            named = [(state_name(names[i]), args[i]) for i in keep if _plain_tensor(args[i])]
+            try:
+                check(named)
+            except Exception as e:
+                if is_comm_failure(e):
+                    raise CollectiveFailure(
+                        comm_failure_message("the parameter check (a graph's first run)", check.group, e)
+                    ) from e
+                raise
+            pending = False
+        return fn(*args)
+
+    return run
+
+
+def _plain_tensor(x: Any) -> bool:
+    # A DTensor's local shard legitimately differs between ranks of the mesh it is sharded over.
+    return isinstance(x, torch.Tensor) and type(x) in (torch.Tensor, torch.nn.Parameter) and x.device.type != "meta"
+
+
+__all__ = [
+    "SAMPLE",
+    "ParameterCheck",
+    "ParameterMismatch",
+    "check_state_on_first_run",
+    "mismatch_message",
+    "state_name",
+]

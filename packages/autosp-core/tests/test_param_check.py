@@ -1,0 +1,66 @@
+"""ParameterCheck on threads joined by torch's threaded process group (real collectives)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from autosp.param_check import SAMPLE, ParameterCheck, ParameterMismatch, state_name
+from autosp.sharding.testing.threads import collectives_issued, simulate
+
+
+def _weights(rank: int, differ_on: tuple[int, ...]) -> list[tuple[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(0)
+    named = [("embed.weight", torch.randn(96, 16, generator=gen)), ("inv_freq", torch.arange(8.0))]
+    big = torch.randn(3, SAMPLE + 7, generator=gen)
+    if rank in differ_on:
+        big[1, 5:] += 1e-6  # a few elements off is missed by no evenly spread sample of this size
+    return [*named, ("blocks.0.q.weight", big)]
+
+
+def _run(world: int, differ_on: tuple[int, ...]) -> list[tuple[str, str, list[str]]]:
+    def rank_fn(rank: int, _: str) -> tuple[str, str, list[str]]:
+        try:
+            ParameterCheck(dist.group.WORLD)(_weights(rank, differ_on))
+            return "ok", "", collectives_issued()
+        except ParameterMismatch as e:
+            return "mismatch", str(e), collectives_issued()
+
+    return simulate(rank_fn, world)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_equal_weights_pass_with_one_small_all_gather(world: int) -> None:
+    def one_all_gather(rank: int, _: str) -> list[str]:
+        dist.all_gather_single(torch.zeros(world, dtype=torch.int64), torch.zeros(1, dtype=torch.int64))
+        return collectives_issued()
+
+    digest_only = simulate(one_all_gather, world)[0]  # as the threaded group logs it
+    for kind, _, issued in _run(world, ()):
+        assert kind == "ok"
+        assert issued == digest_only
+
+
+def test_different_weights_are_named_on_every_rank() -> None:
+    results = _run(3, (1,))
+    messages = {message for _, message, _ in results}
+    assert [kind for kind, _, _ in results] == ["mismatch"] * 3 and len(messages) == 1
+    (message,) = messages
+    assert "hold different parameters or buffers, 1 of 3 that this graph reads" in message
+    assert "  blocks.0.q.weight: ranks [0, 2] / rank 1\n" in message
+    assert "embed.weight" not in message
+    assert "torch.manual_seed" in message and "check_inputs='shapes' or 'off'" in message
+
+
+@pytest.mark.parametrize(
+    ("placeholder", "name"),
+    [
+        ("L_self_modules_blocks_modules_0_modules_q_parameters_weight_", "blocks.0.q.weight"),
+        ("L_self_buffers_inv_freq_", "inv_freq"),
+        ("L_self_modules_embed_parameters_weight_", "embed.weight"),
+        ("L_fn_parameters_scale_", "fn.scale"),
+    ],
+)
+def test_state_names_read_like_the_model(placeholder: str, name: str) -> None:
+    assert state_name(placeholder) == name
