@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -47,8 +48,10 @@ def run(
     for case in cases:
         torch._dynamo.reset()
         compiled = autosp.compile(build(case), backend=backend, variant=variant, variant_options=options)
-        with caches_off():
+        with caches_off(), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", autosp.NotSequenceParallel)
             results[case] = step(compiled, case, seq)
+        results[case]["not_sp_warnings"] = [str(w.message) for w in caught if w.category is autosp.NotSequenceParallel]
         reports = compiled.autosp_reports
         results[case]["graphs"] = len(reports)
         results[case]["sites"] = sum(len(r.sites) for r in reports)

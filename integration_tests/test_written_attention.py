@@ -55,6 +55,13 @@ def check(
             assert got["sites"] == sites, f"{where}: {got['sites']} attention sites, expected {sites}"
             if phrase is not None:
                 assert any(phrase in n for n in got["notes"]), f"{where}: no note with {phrase!r}: {got['notes']}"
+            # A program of which no graph is sharded says so once, as a warning, not only in its report.
+            warned = got["not_sp_warnings"]
+            if all(s is None for s in got["sharded"]):
+                assert len(warned) == 1 and "none of the 1 compiled graph(s)" in warned[0], f"{where}: {warned}"
+                assert "scaled_dot_product_attention" in warned[0], warned
+            else:
+                assert not warned, f"{where}: {warned}"
 
 
 def test_two_ranks_ulysses():

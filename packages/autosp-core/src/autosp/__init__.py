@@ -12,7 +12,7 @@ from autosp.analysis.attention import AttentionSite, AttentionSpec
 from autosp.api import AutoSPBackend, backend, compile, explain
 from autosp.compile_agreement import CompileFailed
 from autosp.errors import AutoSPError, ConfigError, VerificationError
-from autosp.guards import CollectiveFailure, EagerFallback, InputMismatch
+from autosp.guards import CollectiveFailure, EagerFallback, InputMismatch, NotSequenceParallel
 from autosp.hardware import HardwareProfile
 from autosp.hookspecs import hookimpl
 from autosp.options import SPOptions
@@ -42,6 +42,7 @@ __all__ = [
     "EagerFallback",
     "HardwareProfile",
     "InputMismatch",
+    "NotSequenceParallel",
     "ParameterMismatch",
     "Pass",
     "Report",

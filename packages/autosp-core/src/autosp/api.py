@@ -255,6 +255,7 @@ def compile(  # noqa: A001 - mirrors torch.compile
             be.group,
             be.input_check,
             be.runs,
+            be.reports,
         )
         compiled = guard_compiled(compiled, model, call)
     try:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import re
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -51,6 +52,23 @@ class CollectiveFailure(AutoSPError):
 
 class EagerFallback(AutoSPError):
     """Dynamo would run (or ran) the call without AutoSP, so without sequence parallelism."""
+
+
+class NotSequenceParallel(UserWarning):
+    """Every graph of the program runs whole on every rank: exact, but nothing is sequence-parallel."""
+
+
+def not_sharded_message(world: int, reports: Sequence[Any]) -> str:
+    notes = [n for r in reports for n in r.notes if "runs whole" in n or "no attention" in n]
+    return (
+        f"sp_size={world}, but none of the {len(reports)} compiled graph(s) of this program is sequence-parallel: "
+        "no attention was found in them, so every rank computes the whole sequence (the results are exact, the "
+        "memory and time are one device's on every rank)"
+        + (f" ({notes[0]})" if notes else "")
+        + ". If the model computes attention in a form AutoSP does not recognise, call it through "
+        "torch.nn.functional.scaled_dot_product_attention (Hugging Face: attn_implementation='sdpa'); "
+        "compiled.autosp_reports says what each graph holds."
+    )
 
 
 def is_comm_failure(e: BaseException) -> bool:
@@ -138,12 +156,20 @@ class GuardedCall:
     group = WeakGroup()
 
     def __init__(
-        self, fn: Callable[..., Any], model: Any, group: Any, check: InputCheck | None, runs: GraphRuns
+        self,
+        fn: Callable[..., Any],
+        model: Any,
+        group: Any,
+        check: InputCheck | None,
+        runs: GraphRuns,
+        reports: Sequence[Any] = (),
     ) -> None:
         self.fn = fn
         self.group = group
         self.check = check
         self.runs = runs
+        self.reports = reports
+        self.warned = False
         self.signature = signature_of(model)
         self.seen: list[str] = []
         functools.update_wrapper(self, fn)
@@ -171,6 +197,9 @@ class GuardedCall:
                 "torch.compiler.disable'd forward): every rank computed the whole sequence, without sequence "
                 "parallelism. Call the model compiled, or compile it with sp_size=1."
             )
+        if not self.warned and self.reports and all(r.seq_len is None for r in self.reports):
+            self.warned = True  # once per program: its first call compiled what it runs
+            warnings.warn(not_sharded_message(dist.get_world_size(self.group), self.reports), NotSequenceParallel, 2)
         shapes = _shapes(leaves)
         if len(self.seen) < _MAX_SEEN and shapes not in self.seen:
             self.seen.append(shapes)
@@ -246,6 +275,7 @@ __all__ = [
     "GraphRuns",
     "GuardedCall",
     "InputMismatch",
+    "NotSequenceParallel",
     "comm_failure_message",
     "guard_compiled",
     "guard_graph",
