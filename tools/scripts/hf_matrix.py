@@ -1,6 +1,6 @@
 """Run the Hugging Face model matrix (issue 12, item 7) and print its markdown results table.
 
-    python tools/scripts/hf_matrix.py [--sp 2] [--only SUBSTRING ...] [--timeout 300] [--backend aot_eager]
+    python tools/scripts/hf_matrix.py [--sp 2] [--only SUBSTRING ...] [--timeout 300] [--backend aot_eager] [--more]
 
 Every row builds a tiny HF model in code (``integration_tests/hf_matrix.py``), runs one step under
 ``autosp.compile`` on a persistent pool of ``--sp`` gloo processes and compares the loss, the logits
@@ -8,7 +8,8 @@ and every parameter's gradient (no gradients for eval) with single-device eager 
 is ``exact``, ``refused`` (an ``AutoSPError`` raised alike on every rank, quoted verbatim) or ``BUG``
 (a wrong value, a hang past ``--timeout``, or any other error). The full text of every refusal and
 bug, and every op that ran on gathered inputs, follows the table. Exits 1 when some row is a bug.
-44 rows, one compile per rank each: about 10 minutes (250 s of CPU) on 2 loaded cores at sp=2.
+44 rows, one compile per rank each: about 10 minutes (250 s of CPU) on 2 loaded cores at sp=2; with
+``--more``, 60 rows of architectures beyond the matrix (``integration_tests/hf_more.py``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "integration_tests"))
 
 from hf_matrix import Outcome, Row, check_row, matrix_rows  # noqa: E402
+from hf_more import more_rows  # noqa: E402
 from spmd_pool import SPMDPool  # noqa: E402
 
 
@@ -47,12 +49,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds a row may take before it counts as a hang")
     ap.add_argument("--backend", default="aot_eager", help="inner compiler given to autosp.compile")
+    ap.add_argument(
+        "--more",
+        action="store_true",
+        help="the architectures beyond the matrix instead (integration_tests/hf_more.py: generic tiny configs)",
+    )
     args = ap.parse_args(argv)
     if args.sp < 2:
         ap.error(f"--sp {args.sp}: sequence parallelism needs at least 2 ranks; give --sp 2 or more")
-    rows = [r for r in matrix_rows() if not args.only or any(s in r.label() for s in args.only)]
+    every = more_rows() if args.more else matrix_rows()
+    rows = [r for r in every if not args.only or any(s in r.label() for s in args.only)]
     if not rows:
-        ap.error(f"--only {args.only} matches no row; rows look like {matrix_rows()[0].label()!r}")
+        ap.error(f"--only {args.only} matches no row; rows look like {every[0].label()!r}")
     results: list[tuple[Row, Outcome]] = []
     start = time.perf_counter()
     with SPMDPool(args.sp, pg_timeout_s=args.timeout) as pool:

@@ -1,0 +1,123 @@
+"""Hugging Face architectures beyond the matrix, each built the same generic way, for breadth.
+
+The matrix (``hf_matrix.py``) writes each config by hand. These come from
+``AutoConfig.for_model(model_type)`` with the matrix's tiny sizes set wherever the config has the
+field (hidden 32, 2 layers, 4 heads, 2 kv heads, vocab 128), every float dropout set to 0 and the
+attention implementation chosen: nobody here wrote for these models, so they stand in for what a
+new user brings. ``hf_matrix.build`` finds them by name, so every matrix tool runs them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import hf_matrix as hm
+
+# name -> (model_type, attention implementation, task)
+ARCHITECTURES: dict[str, tuple[str, str, str]] = {
+    "Falcon": ("falcon", "sdpa", "lm"),
+    "OPT (eager)": ("opt", "eager", "lm"),
+    "GPT-J (partial rotary)": ("gptj", "sdpa", "lm"),
+    "Gemma": ("gemma", "sdpa", "lm"),
+    "Gemma-3 (sliding window 8)": ("gemma3_text", "sdpa", "lm"),
+    "Qwen3": ("qwen3", "sdpa", "lm"),
+    "Qwen3-MoE": ("qwen3_moe", "sdpa", "lm"),
+    "StableLM": ("stablelm", "sdpa", "lm"),
+    "Starcoder2": ("starcoder2", "sdpa", "lm"),
+    "OLMo-2": ("olmo2", "sdpa", "lm"),
+    "OLMoE": ("olmoe", "sdpa", "lm"),
+    "Cohere (parallel block)": ("cohere", "sdpa", "lm"),
+    "Granite": ("granite", "sdpa", "lm"),
+    "Persimmon": ("persimmon", "sdpa", "lm"),
+    "Phi (eager)": ("phi", "eager", "lm"),
+    "MPT (eager, ALiBi)": ("mpt", "eager", "lm"),
+    "CodeGen (eager)": ("codegen", "eager", "lm"),
+    "GPT-Neo (eager, local attention)": ("gpt_neo", "eager", "lm"),
+    "GPTBigCode (MQA)": ("gpt_bigcode", "sdpa", "lm"),
+    "XGLM (eager)": ("xglm", "eager", "lm"),
+    "BioGPT": ("biogpt", "sdpa", "lm"),
+    "SmolLM3": ("smollm3", "sdpa", "lm"),
+    "GLM": ("glm", "sdpa", "lm"),
+    "Nemotron": ("nemotron", "sdpa", "lm"),
+    "ERNIE-4.5": ("ernie4_5", "sdpa", "lm"),
+    "RoBERTa classifier (eager)": ("roberta", "eager", "classify"),
+    "DistilBERT classifier": ("distilbert", "sdpa", "classify"),
+    "ModernBERT classifier": ("modernbert", "sdpa", "classify"),
+    "ELECTRA classifier": ("electra", "sdpa", "classify"),
+    "ALBERT classifier": ("albert", "sdpa", "classify"),
+}
+
+_SIZES: dict[str, Any] = dict(
+    vocab_size=hm.VOCAB,
+    hidden_size=hm.HIDDEN,
+    num_hidden_layers=hm.LAYERS,
+    num_attention_heads=hm.HEADS,
+    intermediate_size=2 * hm.HIDDEN,
+    max_position_embeddings=64,
+    use_cache=False,
+    tie_word_embeddings=False,
+)
+# Set only where the config has the field (names differ between architectures).
+_WHERE_PRESENT: dict[str, Any] = dict(
+    num_key_value_heads=hm.KV_HEADS,
+    head_dim=hm.HIDDEN // hm.HEADS,
+    n_positions=64,
+    moe_intermediate_size=hm.HIDDEN,
+    num_experts=4,
+    num_experts_per_tok=2,
+    embedding_size=hm.HIDDEN,
+    num_labels=hm.CLASSES,
+    pad_token_id=0,
+    rotary_dim=4,
+    global_attn_every_n_layers=1,
+)
+
+
+def config(model_type: str, attention: str) -> Any:
+    import transformers as t
+
+    cfg = t.AutoConfig.for_model(model_type)
+    for key, value in _SIZES.items():
+        setattr(cfg, key, value)
+    for key, value in _WHERE_PRESENT.items():
+        if hasattr(cfg, key):
+            try:
+                setattr(cfg, key, value)
+            except AttributeError:  # a property derived from the sizes above (Falcon's head_dim)
+                pass
+    for key, value in list(vars(cfg).items()):
+        if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
+            setattr(cfg, key, 0.0)
+    if getattr(cfg, "layer_types", "unset") is None:
+        cfg.layer_types = ["full_attention"] * hm.LAYERS
+    if model_type == "gemma3_text":
+        cfg.sliding_window = hm.WINDOW
+    if model_type == "gpt_neo":  # one global and one local layer, the local window cutting the sequence
+        cfg.attention_types = [[["global", "local"], 1]]
+        cfg.attention_layers = ["global", "local"]
+        cfg.window_size = hm.WINDOW
+    cfg._attn_implementation = attention
+    return cfg
+
+
+def _builder(model_type: str, attention: str, task: str) -> Callable[[], Any]:
+    def build() -> Any:
+        import transformers as t
+
+        auto = t.AutoModelForSequenceClassification if task == "classify" else t.AutoModelForCausalLM
+        return auto.from_config(config(model_type, attention))
+
+    return build
+
+
+BUILDERS: dict[str, Callable[[], Any]] = {name: _builder(*spec) for name, spec in ARCHITECTURES.items()}
+CLASSIFIERS = {name for name, (_, _, task) in ARCHITECTURES.items() if task == "classify"}
+
+
+def more_rows(variants: tuple[str, ...] = ("ulysses", "ring")) -> list[hm.Row]:
+    """Every architecture above, checkpointing off, fp32 training, under each variant."""
+    return [hm.Row(name, v) for name in ARCHITECTURES for v in variants]
+
+
+__all__ = ["ARCHITECTURES", "BUILDERS", "CLASSIFIERS", "config", "more_rows"]
