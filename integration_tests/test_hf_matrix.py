@@ -82,8 +82,8 @@ MORE_ROWS: dict[Row, str] = {
     Row("Cohere (parallel block)", "ring"): "1 of 1 graphs sharded, 2 attention sites",
     Row("ModernBERT classifier", "ulysses"): "1 of 1 graphs sharded, 2 attention sites",
     Row("GPT-Neo (eager, local attention)", "ulysses"): "attention kept as written",
-    # Its eager attention over [batch * heads, S, d] is not recognised: exact, whole on every rank (and warned).
-    Row("XGLM (eager)", "ulysses"): "0 of 1 graphs sharded",
+    # Attention written over [batch * heads, S, d]: found (so the graph is sharded), kept as written.
+    Row("XGLM (eager)", "ulysses"): "1 of 1 graphs sharded, 0 attention sites, attention kept as written",
 }
 
 

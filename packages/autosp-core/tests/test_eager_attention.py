@@ -142,6 +142,33 @@ def test_fully_masked_rows_agree():
     torch.testing.assert_close(gm(q, k, v, mask), scale_after_mask(q, k, v, mask), rtol=1e-5, atol=1e-6)
 
 
+def flat_heads(q, k, v, mask):
+    # Older Hugging Face code (XGLM, BART before transformers 5): batch and heads merged, the mask
+    # added on a 4-D view of the scores, a floor clamp, a 3-D softmax.
+    q3, k3, v3 = (t.reshape(B * H, S, D) for t in (q, k, v))
+    att = torch.bmm(q3, k3.transpose(1, 2)).view(B, H, S, S) + torch.where(mask, 0.0, MIN)
+    att = torch.max(att, torch.tensor(MIN)).view(B * H, S, S)
+    return torch.bmm(att.softmax(-1), v3).view(B, H, S, D)
+
+
+def test_attention_over_merged_batch_and_heads_is_found_and_kept():
+    gm = _lowered(flat_heads)
+    (region,) = find_eager_regions(gm)
+    assert region.why_not is not None and "[batch * heads, S, d]" in region.why_not
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    # q, k and v as the 4-D tensors they come from: the graph shards their dim 2, the sequence.
+    assert (region.q, region.k, region.v) == tuple(placeholders[:3])
+    assert region.output.target is torch.ops.aten.bmm.default
+
+
+def test_a_merged_batch_softmax_over_the_queries_is_not_attention():
+    def over_queries(q, k, v, mask):
+        q3, k3, v3 = (t.reshape(B * H, S, D) for t in (q, k, v))
+        return torch.bmm(torch.bmm(q3, k3.transpose(1, 2)).softmax(1), v3)
+
+    assert find_eager_regions(_lowered(over_queries)) == []
+
+
 def test_matmul_on_other_layouts_is_not_attention():
     # [B, S, H, D] scores over heads, softmax over the last axis: not a q @ k^T over the sequence.
     def heads_mix(x, y, z, mask):

@@ -18,6 +18,7 @@ rules keep it exact.
 
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass, field
 from typing import Any
@@ -195,15 +196,70 @@ def _mask_fill(node: torch.fx.Node, s: torch.fx.Node) -> float | None:
 
 
 def find_eager_regions(gm: torch.fx.GraphModule) -> list[EagerRegion]:
-    """Every ``bmm -> score ops -> softmax (-> dropout) -> bmm`` over 4-D q, k, v, in graph order."""
+    """Every ``bmm -> score ops -> softmax (-> dropout) -> bmm`` over 4-D q, k, v, in graph order.
+
+    Also attention written over ``[B*H, S, d]`` (a 3-D softmax), as older Hugging Face code writes
+    it (XGLM, BART, Marian): found, so the graph shards its sequence, but always kept as written.
+    """
     regions = []
     for sm in gm.graph.nodes:
         if sm.op != "call_function" or sm.target is not aten._softmax.default:
             continue
-        region = _region_at(sm)
+        region = _region_at(sm) if len(_shape(sm)) == 4 else _flat_region_at(sm)
         if region is not None:
             regions.append(region)
     return regions
+
+
+def _back_to_bmm(node: Any, numel: int, depth: int = 0) -> torch.fx.Node | None:
+    """The score ``bmm`` that ``node`` (the softmax's input) is computed from, through ops of its size."""
+    if not isinstance(node, torch.fx.Node) or node.op != "call_function" or depth > 16:
+        return None
+    if node.target is aten.bmm.default:
+        return node
+    for arg in node.all_input_nodes:
+        if math.prod(_shape(arg)) == numel:
+            found = _back_to_bmm(arg, numel, depth + 1)
+            if found is not None:
+                return found
+    return None
+
+
+def _flat_kt_to_4d(node: Any) -> torch.fx.Node | None:
+    """``k`` (4-D) from the score bmm's second operand: ``k3.transpose(1, 2)`` or a flattened ``k.transpose(-2, -1)``."""
+    if isinstance(node, torch.fx.Node) and node.target is aten.transpose.int and sorted(node.args[1:3]) == [1, 2]:
+        return _to_4d(node.args[0])
+    kt = _to_4d(node)
+    return _untranspose(kt) if kt is not None else None
+
+
+def _flat_region_at(sm: torch.fx.Node) -> EagerRegion | None:
+    shp = _shape(sm)
+    if len(shp) != 3 or sm.args[1] % 3 != 2:
+        return None
+    scores = _back_to_bmm(sm.args[0], math.prod(shp))
+    if scores is None or _shape(scores) != shp:
+        return None
+    q, k = _to_4d(scores.args[0]), _flat_kt_to_4d(scores.args[1])
+    found = _forward_to_bmm(sm, [])
+    if q is None or k is None or found is None:
+        return None
+    after, path = found
+    v = _to_4d(after.args[1])
+    if v is None:
+        return None
+    (b, h, s, d), (bk, hk, sk, dk), (bv, hv, sv, _) = _shape(q), _shape(k), _shape(v)
+    if shp != (b * h, s, sk) or d != dk or sk != sv or (bk, hk) != (bv, hv) or bk != b:
+        return None
+    return EagerRegion(
+        q=q,
+        k=k,
+        v=v,
+        output=after,
+        softmax=sm,
+        weights=path,
+        why_not="it is written over [batch * heads, S, d] tensors, which no variant rewrites yet",
+    )
 
 
 def _is_scores(node: torch.fx.Node) -> bool:
