@@ -46,6 +46,8 @@ METHODS: dict[str, Method] = {
             {"variant": "ulysses", "sac": "auto"},
             "ours: ulysses, SAC by cost model (the default)",
         ),
+        Method("autosp-ring", "autosp", True, True, {"variant": "ring", "sac": False}, "ours: ring"),
+        Method("autosp-ring-sac", "autosp", True, True, {"variant": "ring", "sac": True}, "ours: ring + SAC"),
     )
 }
 REFERENCE = "eager"  # its loss is the single-device loss the others are compared with
