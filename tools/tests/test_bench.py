@@ -68,6 +68,17 @@ def test_results_md_table(out: Path) -> None:
     table = rows[: 2 + 2]
     assert all(r.count("|") == width for r in table), table
     assert any(r.startswith("| ulysses |") for r in table)
+    assert "ratios (×) are against `ulysses` (hand-written DeepSpeed-Ulysses, eager)" in md
+
+
+def test_the_ratios_name_the_method_they_are_against() -> None:
+    from autosp_tools.bench.report import _label
+
+    # Without hand-written Ulysses in the run the ratios are against the single-device reference.
+    assert _label({"methods": {}}, "eager") == "single device, eager"
+    assert (
+        _label({"methods": {"autosp-ring-sac": {"label": "ours: ring + SAC"}}}, "autosp-ring-sac") == "ours: ring + SAC"
+    )
 
 
 def test_plots_are_pngs(out: Path) -> None:

@@ -51,6 +51,14 @@ def _longest_cell(entry: dict[str, Any] | None) -> tuple[str, float | None]:
     return (f"≥{n}" if entry.get("capped") else str(n)), float(n)
 
 
+def _label(results: dict[str, Any], name: str) -> str:
+    """What a method is, in words (the reference ran without being asked for: its label from the table)."""
+    from autosp_tools.bench.methods import METHODS
+
+    known = results.get("methods", {}).get(name, {}).get("label")
+    return str(known or (METHODS[name].label if name in METHODS else name))
+
+
 def markdown(results: dict[str, Any]) -> str:
     s = results["settings"]
     runs = results["runs"]
@@ -71,7 +79,7 @@ def markdown(results: dict[str, Any]) -> str:
         ),
         "",
         (
-            f"At sequence length {at}; ratios (×) are against `{base_name}` (hand-written DeepSpeed-Ulysses, eager). "
+            f"At sequence length {at}; ratios (×) are against `{base_name}` ({_label(results, base_name)}). "
             f"Memory is per rank; saved = bytes autograd keeps for backward (parameters excluded); "
             f"longest = longest sequence whose `{results['budget']['metric']}` memory per rank stays under "
             f"{results['budget']['bytes'] / MB:g} MB (≥: the search stopped at its cap)."
