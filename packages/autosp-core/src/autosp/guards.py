@@ -91,6 +91,19 @@ def comm_failure_message(where: str, group: Any, e: BaseException) -> str:
     )
 
 
+@contextlib.contextmanager
+def naming_comm_failures(where: str, group: Any) -> Iterator[None]:
+    """A collective in this block that fails for want of a peer raises ``CollectiveFailure``, saying ``where``."""
+    try:
+        yield
+    except AutoSPError:
+        raise
+    except Exception as e:
+        if is_comm_failure(e):
+            raise CollectiveFailure(comm_failure_message(where, group, e)) from e
+        raise
+
+
 def _shapes(leaves: Sequence[Leaf]) -> str:
     return ", ".join(f"{leaf.path} {list(leaf.tensor.shape)}" for leaf in leaves if leaf.tensor is not None)
 
@@ -209,15 +222,10 @@ class GuardedCall:
 def run_check(check: InputCheck, leaves: list[Leaf]) -> None:
     """The input check, its failures as AutoSP errors (it is the first collective of a call)."""
     try:
-        check(leaves)
+        with naming_comm_failures("the input check (the first collective of every call)", check.group):
+            check(leaves)
     except InputMismatchError as e:
         raise InputMismatch(str(e)) from None
-    except Exception as e:
-        if is_comm_failure(e):
-            raise CollectiveFailure(
-                comm_failure_message("the input check (the first collective of every call)", check.group, e)
-            ) from e
-        raise
 
 
 def _graph_input_name(name: str) -> str:
@@ -247,12 +255,8 @@ def guard_graph(
             elif isinstance(x, (int, float, bool, torch.SymInt)):
                 leaves.append(Leaf(name, f"{type(x).__name__} {int(x) if isinstance(x, torch.SymInt) else x!r}"))
         run_check(check, leaves)
-        try:
+        with naming_comm_failures("a collective of the SP program", check.group):
             return fn(*args)
-        except Exception as e:
-            if is_comm_failure(e):
-                raise CollectiveFailure(comm_failure_message("a collective of the SP program", check.group, e)) from e
-            raise
 
     return run
 
@@ -280,6 +284,7 @@ __all__ = [
     "guard_compiled",
     "guard_graph",
     "is_comm_failure",
+    "naming_comm_failures",
     "recompile_message",
     "run_check",
 ]

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from autosp.errors import AutoSPError
-from autosp.guards import CollectiveFailure, comm_failure_message, is_comm_failure
+from autosp.guards import naming_comm_failures
 from autosp.input_check import collective_device, fingerprint
 from autosp.weak_group import WeakGroup
 
@@ -114,14 +114,8 @@ def check_state_on_first_run(
         nonlocal pending
         if pending:
             named = [(state_name(names[i]), args[i]) for i in keep if _plain_tensor(args[i])]
-            try:
+            with naming_comm_failures("the parameter check (a graph's first run)", check.group):
                 check(named)
-            except Exception as e:
-                if is_comm_failure(e):
-                    raise CollectiveFailure(
-                        comm_failure_message("the parameter check (a graph's first run)", check.group, e)
-                    ) from e
-                raise
             pending = False
         return fn(*args)
 
