@@ -74,6 +74,18 @@ def softcap(q, k, v, m, h=None):
     return att.softmax(-1) @ v
 
 
+def flat(q, k, v, m, h=None):
+    """Older HF code (XGLM): batch and heads merged, the causal mask added on a 4-D view, a floor clamp."""
+    b, nh, t, d = q.shape
+    rep = nh // k.shape[1]
+    k, v = (x.repeat_interleave(rep, 1) for x in (k, v))
+    q3, k3, v3 = (x.reshape(b * nh, t, d) for x in (q * d**-0.5, k, v))  # XGLM scales q in its projection
+    att = torch.bmm(q3, k3.transpose(1, 2)).view(b, nh, t, t)
+    att = att + torch.where(_causal(t).to(q.device), 0.0, torch.finfo(q.dtype).min)
+    att = torch.max(att, torch.tensor(torch.finfo(q.dtype).min, device=q.device)).view(b * nh, t, t)
+    return torch.bmm(att.softmax(-1), v3).view(b, nh, t, d)
+
+
 def sdpa(q, k, v, m, h=None):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
 
@@ -118,6 +130,7 @@ ATTENTION: dict[str, Callable] = {
     "gpt2": gpt2,
     "alibi": alibi,
     "softcap": softcap,
+    "flat": flat,
     "sdpa": sdpa,
     "sdpa_padded": sdpa_padded,
     "cross": cross,

@@ -25,6 +25,7 @@ CASES = {
     ("gpt2", "none", 4, True): (2, REWRITTEN),
     ("alibi", "none", 4, False): (2, REWRITTEN),
     ("softcap", "none", 4, False): (0, "tanh"),
+    ("flat", "none", 2, False): (0, "[batch * heads, S, d]"),
     ("sdpa", "between", 2, False): (2, None),
     ("sdpa", "before_head", 2, False): (2, "sharding inputs of sequence length"),
     ("hf_eager", "checkpoint", 2, False): (2, REWRITTEN),
@@ -55,6 +56,9 @@ def check(
             assert got["sites"] == sites, f"{where}: {got['sites']} attention sites, expected {sites}"
             if phrase is not None:
                 assert any(phrase in n for n in got["notes"]), f"{where}: no note with {phrase!r}: {got['notes']}"
+            # Every program with attention, found or kept as written, is sequence-parallel in every graph.
+            if case[0] != "none":
+                assert all(s is not None for s in got["sharded"]), f"{where}: sharded {got['sharded']}"
             # A program of which no graph is sharded says so once, as a warning, not only in its report.
             warned = got["not_sp_warnings"]
             if all(s is None for s in got["sharded"]):
@@ -91,14 +95,19 @@ def test_four_ranks_ulysses():
         4,
         "aot_eager",
         "ulysses",
-        [("gpt2", "none", 4, True), ("sdpa", "before_head", 2, False), ("cross", "none", 4, False)],
+        [
+            ("gpt2", "none", 4, True),
+            ("sdpa", "before_head", 2, False),
+            ("cross", "none", 4, False),
+            ("flat", "none", 2, False),
+        ],
     )
 
 
 @pytest.mark.parametrize(
     ("variant", "cases"),
     [
-        ("ulysses", [("hf_eager", "checkpoint", 2, False), ("cross", "none", 4, False)]),
+        ("ulysses", [("hf_eager", "checkpoint", 2, False), ("cross", "none", 4, False), ("flat", "none", 2, False)]),
         # Ring's tiles of a model-built mask (nanoGPT's tril buffer, as SDPA's attn_mask) under Inductor.
         ("ring", [("sdpa", "before_head", 2, False), ("nano", "none", 4, False)]),
     ],
@@ -109,4 +118,5 @@ def test_two_ranks_inductor(variant, cases):
 
 def test_four_ranks_inductor():
     # Written-out attention rewritten to SDPA, with GPT-2's padding mask, at P=4 under Inductor too.
-    check(4, "inductor", "ulysses", [("gpt2", "none", 4, True)])
+    # Attention over [batch * heads, S, d] kept as written, at P=4 under Inductor.
+    check(4, "inductor", "ulysses", [("gpt2", "none", 4, True), ("flat", "none", 2, False)])
