@@ -43,10 +43,15 @@ def compared(t: torch.Tensor, mode: str) -> torch.Tensor | None:
         return t
     if mode != "tokens":
         return None
+    return spread_sample(t, _SAMPLE)
+
+
+def spread_sample(t: torch.Tensor, limit: int) -> torch.Tensor:
+    """At most ``limit`` elements of ``t``, evenly spread over it (all of them when it is small)."""
     flat = t.detach().reshape(-1)
-    if flat.numel() <= _SAMPLE:
+    if flat.numel() <= limit:
         return flat
-    step = -(-flat.numel() // _SAMPLE)
+    step = -(-flat.numel() // limit)
     # A step sharing no factor with the last dimension: the sample crosses every feature column,
     # not only the ones a multiple of it would land on (a constant padding feature, say).
     last = t.shape[-1]
@@ -300,5 +305,6 @@ __all__ = [
     "flatten_inputs",
     "mismatch_message",
     "signature_of",
+    "spread_sample",
     "tensor_meta",
 ]

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from autosp.errors import AutoSPError
 from autosp.guards import naming_comm_failures
-from autosp.input_check import collective_device, fingerprint
+from autosp.input_check import collective_device, fingerprint, spread_sample
 from autosp.weak_group import WeakGroup
 
 SAMPLE = 4096
@@ -45,13 +45,6 @@ def state_name(placeholder: str) -> str:
     return re.sub(r"_(modules|parameters|buffers)_", ".", name)
 
 
-def _sample(t: torch.Tensor) -> torch.Tensor:
-    flat = t.detach().reshape(-1)
-    if flat.numel() <= SAMPLE:
-        return flat
-    return flat[:: -(-flat.numel() // SAMPLE)]
-
-
 class ParameterCheck:
     """Compares named tensors across ``group``; raises ``ParameterMismatch`` on every rank if any differ."""
 
@@ -63,7 +56,9 @@ class ParameterCheck:
     def __call__(self, named: Sequence[tuple[str, torch.Tensor]]) -> None:
         group = self.group
         device = collective_device(group)
-        fps = torch.stack([fingerprint(_sample(t)).to(device) for _, t in named]).tolist() if named else []
+        fps = (
+            torch.stack([fingerprint(spread_sample(t, SAMPLE)).to(device) for _, t in named]).tolist() if named else []
+        )
         digest = hash(tuple(fps)) if fps else 0  # one process's hash of ints: the same on every rank
         rows = torch.full((dist.get_world_size(group),), digest, dtype=torch.int64, device=device)
         dist.all_gather_single(rows, rows[:1].clone(), group=group)

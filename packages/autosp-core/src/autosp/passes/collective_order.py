@@ -164,12 +164,13 @@ class ChainScheduled(CustomSchedulerPass):
     def __call__(self, nodes: list[Any]) -> list[Any]:
         if self.then is not None:
             nodes = self.then(nodes)
-        ops = sorted((i, pos, n) for pos, n in enumerate(nodes) for i in group_op_index(n)[:1])
+        positions = {n: group_op_index(n) for n in nodes}
+        ops = sorted((n for n in nodes if positions[n]), key=lambda n: positions[n][0])
         if len(ops) < 2:
             return nodes
         from torch._inductor.dependencies import WeakDep
 
-        for (_, _, before), (_, _, node) in zip(ops, ops[1:]):
+        for before, node in zip(ops, ops[1:]):
             mutating = next(iter(node.get_buffer_names()))
             for name in before.get_buffer_names():
                 node.add_fake_dep(WeakDep(name, mutating_buf=mutating, is_fake=True))
