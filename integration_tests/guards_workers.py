@@ -20,6 +20,21 @@ def _ids(batch: int, seq: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, 96, (batch, seq), generator=torch.Generator().manual_seed(seed))
 
 
+class _PooledClassifier(torch.nn.Module):
+    """Embedding, dropout, one SDPA head, dropout on the mean-pooled vector, a 4-way classifier."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.embed, self.qkv = torch.nn.Embedding(96, 16), torch.nn.Linear(16, 48)
+        self.drop, self.head = torch.nn.Dropout(p), torch.nn.Linear(16, 4)
+
+    def forward(self, ids: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        x = self.drop(self.embed(ids))
+        q, k, v = self.qkv(x).view(*ids.shape, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        x = x + torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2)
+        return torch.nn.functional.cross_entropy(self.head(self.drop(x.mean(1))), y)
+
+
 def attempt(fn: Callable[[], Any]) -> dict[str, Any]:
     """Run ``fn``; the exception's type and text (or "ok") and the seconds it took."""
     start = time.perf_counter()
@@ -82,6 +97,17 @@ def input_faults(rank: int, world: int) -> dict[str, Any]:
     out["params_differ_shapes_mode"] = attempt(
         lambda: autosp.compile(drifted, backend="eager", check_inputs="shapes")(_ids(2, 32), _ids(2, 32))
     )
+
+    # Ranks seeded apart (seed + rank) with dropout in the program: a mask on the pooled vector
+    # would differ between the ranks. Without dropout the same seeding is fine.
+    for p in (0.1, 0.0):
+        torch.manual_seed(0)
+        pooled = _PooledClassifier(p)
+        torch.manual_seed(1000 + rank)
+        out[f"rng_differs_p{p}"] = attempt(
+            lambda: autosp.compile(pooled, backend="eager")(_ids(2, 32), _ids(2, 1)[:, 0] % 4)
+        )
+    torch.manual_seed(0)
 
     # A graph that compiles on rank 0 and fails to compile on rank 1 (its backward, then its
     # forward): rank 0 must not run it and wait in a collective rank 1 never joins.

@@ -110,6 +110,23 @@ def test_ranks_holding_different_weights_are_refused(faults):
     assert all(r["params_differ_shapes_mode"]["error"] is None for r in faults)
 
 
+def test_ranks_seeded_apart_are_refused_when_the_program_draws_random_numbers(faults):
+    messages = {
+        _error(
+            r["rng_differs_p0.1"],
+            "RandomStateMismatch",
+            r"hold different cpu random number generator states \(rank 0 / rank 1; global ranks\)",
+            r"draws random numbers: aten::(native_dropout|bernoulli)",
+            r"dp_rank = global_rank // sp_size",
+        )
+        for r in faults
+    }
+    assert len(messages) == 1
+    # The same seeding with dropout off draws nothing (SDPA with dropout_p=0 included): it runs, and agrees.
+    assert all(r["rng_differs_p0.0"]["error"] is None for r in faults), faults
+    assert faults[0]["rng_differs_p0.0"]["loss"] == faults[1]["rng_differs_p0.0"]["loss"]
+
+
 def test_a_graph_that_fails_to_compile_on_one_rank_fails_on_every_rank(faults):
     r0, r1 = faults
     for stage in ("backward", "forward"):

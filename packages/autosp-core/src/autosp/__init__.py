@@ -20,6 +20,7 @@ from autosp.param_check import ParameterMismatch
 from autosp.passes.manager import Pass, Stage
 from autosp.plan import plan  # the function: autosp.plan(model, gpus=..., hardware=...)
 from autosp.report import Report
+from autosp.rng_check import RandomStateMismatch
 from autosp.variants import SPVariant
 from autosp.verify import VerifyReport, verify
 
@@ -44,6 +45,7 @@ __all__ = [
     "InputMismatch",
     "NotSequenceParallel",
     "ParameterMismatch",
+    "RandomStateMismatch",
     "Pass",
     "Report",
     "SPOptions",

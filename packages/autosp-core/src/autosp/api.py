@@ -18,6 +18,7 @@ from autosp.options import Backend, SPOptions, compile_sync_group, resolve_group
 from autosp.param_check import ParameterCheck, check_state_on_first_run
 from autosp.registry import get_registry
 from autosp.report import Report
+from autosp.rng_check import refuse_divergent_rng
 from autosp.weak_group import WeakGroup
 
 if TYPE_CHECKING:
@@ -123,6 +124,9 @@ class AutoSPBackend:
             with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
                 agreeing = self.sync_group if self.sync_group is not None else self.group
                 fn = agree_on_compile(compile_it, agreeing, what)
+            report = self.reports[-1]  # compile_graph's, appended as it began
+            if report.random_ops and self.input_check is not None:
+                fn = refuse_divergent_rng(fn, report.random_ops, self.input_check.rng_split, what)
         names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
         params = [_is_param(n, x) for n, x in zip(names, example_inputs)]
         if self.param_check is not None:

@@ -25,6 +25,7 @@ from autosp.passes.collective_order import never_merged
 from autosp.passes.manager import PassManager, Stage
 from autosp.registry import Registry
 from autosp.report import Report
+from autosp.rng_check import random_ops
 from autosp.sharded_outputs import refuse_dtensor_inputs, wrap_outputs
 
 _graph_ids = itertools.count()
@@ -188,6 +189,7 @@ def compile_graph(
     if reports is not None:
         reports.append(ctx.report)
     gm = manager.run(Stage.GRAPH, gm, ctx)
+    ctx.report.random_ops = random_ops(gm)
     partition = _Partitioner(manager, ctx)
 
     if options.backend == "inductor":

@@ -161,7 +161,7 @@ class GraphRuns:
 class GuardedCall:
     """What ``autosp.compile`` returns runs through this on every SP rank.
 
-    Per call: the input check (one all-gather of two int64 per rank, unless ``check_inputs="off"``),
+    Per call: the input check (one all-gather of four int64 per rank: the inputs' digests and the RNG states', unless ``check_inputs="off"``),
     then the compiled call with Dynamo's recompile limit and suppressed errors made hard errors
     (only during this call, in this thread), then a check that an AutoSP graph ran.
     """

@@ -14,13 +14,14 @@ import dataclasses
 import hashlib
 import inspect
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 
+from autosp.rng_check import DEVICE_TYPES, rng_digests
 from autosp.weak_group import WeakGroup
 
 CheckMode = Literal["tokens", "shapes", "hash", "off"]
@@ -260,15 +261,27 @@ class InputCheck:
 
     group = WeakGroup()
 
-    def __init__(self, group: Any, mode: CheckMode) -> None:
+    def __init__(self, group: Any, mode: CheckMode, rng_state: Callable[[], list[int]] | None = None) -> None:
         self.group = group
         self.mode = mode
         self.ranks = dist.get_process_group_ranks(group)
         self.device = collective_device(group)
+        self.rng_state = rng_state or rng_digests
+        # Per generator (``rng_check.DEVICE_TYPES``), each rank's digest at the last check.
+        self.rng_rows: list[list[int]] = []
+
+    def rng_split(self, device: str) -> list[list[int]]:
+        """Global ranks grouped by their ``device`` generator's state at the last check (one group: agreed)."""
+        k = DEVICE_TYPES.index(device)
+        groups: dict[int, list[int]] = {}
+        for rank, row in zip(self.ranks, self.rng_rows):
+            groups.setdefault(row[k], []).append(rank)
+        return list(groups.values())
 
     def __call__(self, leaves: list[Leaf]) -> None:
         digest = _digest("\n".join(f"{leaf.path}: {leaf.meta}" for leaf in leaves))
-        local = torch.tensor([digest, 0], dtype=torch.int64, device=self.device)
+        # The generators' digests ride along; rng_check decides whether they must agree.
+        local = torch.tensor([digest, 0, *self.rng_state()], dtype=torch.int64, device=self.device)
         fps: torch.Tensor | None = None
         contents = [None if leaf.tensor is None else compared(leaf.tensor, self.mode) for leaf in leaves]
         tensors = [c for c in contents if c is not None]
@@ -279,8 +292,10 @@ class InputCheck:
         # Pre-filled with our own row: a backend that does not communicate (fake) compares equal.
         rows = local.repeat(len(self.ranks))
         dist.all_gather_single(rows, local, group=self.group)
+        width = local.numel()
         flat = rows.tolist()
-        values = [flat[i : i + 2] for i in range(0, len(flat), 2)]
+        self.rng_rows = [flat[i + 2 : i + width] for i in range(0, len(flat), width)]
+        values = [flat[i : i + 2] for i in range(0, len(flat), width)]
         if all(v == values[0] for v in values):
             return
         fp_iter = iter(fps.tolist() if fps is not None else [])

@@ -29,6 +29,7 @@ class Report:
     hardware: str = ""
     seq_len: int | None = None  # the sequence length this graph sharded, if any
     outputs: list[str] = field(default_factory=list)  # what leaves the graph (crosses a graph break)
+    random_ops: list[tuple[str, str]] = field(default_factory=list)  # (device type, op and line) drawing random numbers
 
     def __str__(self) -> str:
         lines = [
@@ -52,6 +53,9 @@ class Report:
         if self.outputs:
             lines.append("  outputs:")
             lines += [f"    {o}" for o in self.outputs]
+        if self.random_ops:
+            lines.append(f"  random ops (the SP ranks' generators must agree): {len(self.random_ops)}")
+            lines += [f"    {what} on {device}" for device, what in self.random_ops]
         if self.passes:
             lines.append("  passes:")
             lines += [

@@ -1,0 +1,100 @@
+"""The SP ranks draw the same random numbers when a graph of theirs draws any.
+
+A random op in an SP graph draws the whole tensor on every rank and each rank keeps its part (the
+sharding rules treat the draw as a replicated value), so with every rank's generator in the same
+state the masks are the single-device program's. Ranks seeded apart (``seed + rank``, common in
+data-parallel code) each draw their own: a value the SP program holds as one differs between
+ranks (a dropout mask multiplied into a partial sum, a mask on a pooled vector), and the result
+matches no run of the model, silently. So the input check carries a digest of each rank's
+generator states in its one all-gather, and a graph that draws random numbers refuses to run when
+the last check saw them differ. Programs that draw none are not refused: their ranks may be seeded
+as the user likes.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from autosp.analysis.source import user_line
+from autosp.errors import AutoSPError
+
+DEVICE_TYPES = ("cpu", "cuda")  # the generators the digest covers; ROCm's is torch.cuda's
+
+
+class RandomStateMismatch(AutoSPError):
+    """The SP ranks hold different RNG states and the program draws random numbers."""
+
+
+def _digest(state: torch.Tensor) -> int:
+    raw = hashlib.blake2b(state.numpy().tobytes(), digest_size=8).digest()
+    return int.from_bytes(raw, "little", signed=True)
+
+
+def rng_digests() -> list[int]:
+    """One int64 per ``DEVICE_TYPES`` entry: this process's default generator states (0: not in use)."""
+    cuda = _digest(torch.cuda.get_rng_state()) if torch.cuda.is_initialized() else 0
+    return [_digest(torch.get_rng_state()), cuda]
+
+
+def _draws(node: torch.fx.Node, target: torch._ops.OpOverload) -> bool:
+    # Attention kernels are tagged for their dropout: they draw only with dropout_p > 0.
+    for i, arg in enumerate(target._schema.arguments):
+        if arg.name == "dropout_p":
+            p = node.args[i] if i < len(node.args) else node.kwargs.get("dropout_p", arg.default_value or 0.0)
+            return not isinstance(p, (int, float)) or p != 0
+    return True
+
+
+def random_ops(gm: torch.fx.GraphModule) -> list[tuple[str, str]]:
+    """``(device type, description)`` of every node of ``gm`` that draws random numbers."""
+    found = []
+    for node in gm.graph.nodes:
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+            continue
+        if torch.Tag.nondeterministic_seeded not in target.tags or not _draws(node, target):
+            continue
+        val = node.meta.get("val")
+        device = val.device.type if isinstance(val, torch.Tensor) else "cpu"
+        found.append((device, f"{target.name()} ({user_line(node) or node.name})"))
+    return found
+
+
+def split_message(what: str, ops: Sequence[tuple[str, str]], device: str, groups: list[list[int]]) -> str:
+    ranks = " / ".join(("rank " if len(g) == 1 else "ranks ") + ", ".join(map(str, g)) for g in groups)
+    return (
+        f"the SP ranks hold different {device} random number generator states ({ranks}; global ranks), and "
+        f"{what} draws random numbers: {ops[0][1]}" + (f" and {len(ops) - 1} more" if len(ops) > 1 else "") + ". "
+        "Each rank would draw its own numbers for values the SP program holds as one, and the result would "
+        "match no single-device run. Seed every rank of an SP group alike: torch.manual_seed(seed + dp_rank) "
+        "with dp_rank = global_rank // sp_size, not seed + global_rank (check_inputs='off' skips this check)."
+    )
+
+
+def refuse_divergent_rng(
+    fn: Callable[..., Any], ops: Sequence[tuple[str, str]], split: Callable[[str], list[list[int]]], what: str
+) -> Callable[..., Any]:
+    """``fn`` (a graph drawing ``ops``) raises, on every rank alike, when ``split`` names differing ranks.
+
+    ``split(device)`` reads the last input check's gathered digests, which every rank saw the same,
+    so every rank raises or none does, with no collective of its own.
+    """
+    devices = sorted({d for d, _ in ops if d in DEVICE_TYPES})
+
+    @functools.wraps(fn)
+    def run(*args: Any) -> Any:
+        for device in devices:
+            groups = split(device)
+            if len(groups) > 1:
+                raise RandomStateMismatch(split_message(what, [o for o in ops if o[0] == device], device, groups))
+        return fn(*args)
+
+    return run
+
+
+__all__ = ["DEVICE_TYPES", "RandomStateMismatch", "random_ops", "refuse_divergent_rng", "rng_digests", "split_message"]
