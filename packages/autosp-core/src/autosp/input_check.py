@@ -11,17 +11,16 @@ other ranks in the SP program's first collective, paired with the wrong one.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import inspect
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 
-from autosp.rng_check import DEVICE_TYPES, rng_digests
+from autosp.rng_check import DEVICE_TYPES, digest_bytes, rng_digests
 from autosp.weak_group import WeakGroup
 
 CheckMode = Literal["tokens", "shapes", "hash", "off"]
@@ -199,11 +198,6 @@ def fingerprint(t: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def _digest(text: str) -> int:
-    # hashlib, not hash(): str hashes are salted per process.
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True)
-
-
 def collective_device(group: Any) -> torch.device:
     backend = str(dist.get_backend(group)).lower()
     if "gloo" in backend or not torch.cuda.is_available():
@@ -261,12 +255,11 @@ class InputCheck:
 
     group = WeakGroup()
 
-    def __init__(self, group: Any, mode: CheckMode, rng_state: Callable[[], list[int]] | None = None) -> None:
+    def __init__(self, group: Any, mode: CheckMode) -> None:
         self.group = group
         self.mode = mode
         self.ranks = dist.get_process_group_ranks(group)
         self.device = collective_device(group)
-        self.rng_state = rng_state or rng_digests
         # Per generator (``rng_check.DEVICE_TYPES``), each rank's digest at the last check.
         self.rng_rows: list[list[int]] = []
 
@@ -279,9 +272,9 @@ class InputCheck:
         return list(groups.values())
 
     def __call__(self, leaves: list[Leaf]) -> None:
-        digest = _digest("\n".join(f"{leaf.path}: {leaf.meta}" for leaf in leaves))
+        digest = digest_bytes("\n".join(f"{leaf.path}: {leaf.meta}" for leaf in leaves).encode())
         # The generators' digests ride along; rng_check decides whether they must agree.
-        local = torch.tensor([digest, 0, *self.rng_state()], dtype=torch.int64, device=self.device)
+        local = torch.tensor([digest, 0, *rng_digests()], dtype=torch.int64, device=self.device)
         fps: torch.Tensor | None = None
         contents = [None if leaf.tensor is None else compared(leaf.tensor, self.mode) for leaf in leaves]
         tensors = [c for c in contents if c is not None]

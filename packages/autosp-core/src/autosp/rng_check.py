@@ -30,15 +30,15 @@ class RandomStateMismatch(AutoSPError):
     """The SP ranks hold different RNG states and the program draws random numbers."""
 
 
-def _digest(state: torch.Tensor) -> int:
-    raw = hashlib.blake2b(state.numpy().tobytes(), digest_size=8).digest()
-    return int.from_bytes(raw, "little", signed=True)
+def digest_bytes(data: bytes) -> int:
+    """A signed 64-bit digest, the same in every process (``hash()`` is salted per process)."""
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
 
 
 def rng_digests() -> list[int]:
     """One int64 per ``DEVICE_TYPES`` entry: this process's default generator states (0: not in use)."""
-    cuda = _digest(torch.cuda.get_rng_state()) if torch.cuda.is_initialized() else 0
-    return [_digest(torch.get_rng_state()), cuda]
+    cuda = digest_bytes(torch.cuda.get_rng_state().numpy().tobytes()) if torch.cuda.is_initialized() else 0
+    return [digest_bytes(torch.get_rng_state().numpy().tobytes()), cuda]
 
 
 def _draws(node: torch.fx.Node, target: torch._ops.OpOverload) -> bool:
@@ -97,4 +97,12 @@ def refuse_divergent_rng(
     return run
 
 
-__all__ = ["DEVICE_TYPES", "RandomStateMismatch", "random_ops", "refuse_divergent_rng", "rng_digests", "split_message"]
+__all__ = [
+    "DEVICE_TYPES",
+    "RandomStateMismatch",
+    "digest_bytes",
+    "random_ops",
+    "refuse_divergent_rng",
+    "rng_digests",
+    "split_message",
+]
