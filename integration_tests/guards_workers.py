@@ -5,6 +5,7 @@ Module-level functions, since spawned processes import them by name.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable
 from typing import Any
@@ -107,6 +108,23 @@ def input_faults(rank: int, world: int) -> dict[str, Any]:
         out[f"rng_differs_p{p}"] = attempt(
             lambda: autosp.compile(pooled, backend="eager")(_ids(2, 32), _ids(2, 1)[:, 0] % 4)
         )
+    # Seeded alike, the SP program's dropout masks are the single-device program's: loss and gradients.
+    torch.manual_seed(0)
+    sp_model = _PooledClassifier(0.5)
+    reference = copy.deepcopy(sp_model)
+    y = _ids(2, 1)[:, 0] % 4
+    torch.manual_seed(7)
+    sp_loss = autosp.compile(sp_model, backend="eager")(_ids(2, 32), y)
+    sp_loss.backward()
+    torch.manual_seed(7)
+    ref_loss = reference(_ids(2, 32), y)
+    ref_loss.backward()
+    out["rng_alike_vs_eager"] = {
+        "loss": (float(sp_loss), float(ref_loss)),
+        "grad": max(
+            (a.grad - b.grad).abs().max().item() for a, b in zip(sp_model.parameters(), reference.parameters())
+        ),
+    }
     torch.manual_seed(0)
 
     # A graph that compiles on rank 0 and fails to compile on rank 1 (its backward, then its

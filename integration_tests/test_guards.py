@@ -125,6 +125,10 @@ def test_ranks_seeded_apart_are_refused_when_the_program_draws_random_numbers(fa
     # The same seeding with dropout off draws nothing (SDPA with dropout_p=0 included): it runs, and agrees.
     assert all(r["rng_differs_p0.0"]["error"] is None for r in faults), faults
     assert faults[0]["rng_differs_p0.0"]["loss"] == faults[1]["rng_differs_p0.0"]["loss"]
+    # Seeded alike, with dropout p=0.5: the masks are the single-device program's, so values and gradients match.
+    for r in faults:
+        sp, ref = r["rng_alike_vs_eager"]["loss"]
+        assert abs(sp - ref) < 1e-6 and r["rng_alike_vs_eager"]["grad"] < 1e-5, r["rng_alike_vs_eager"]
 
 
 def test_a_graph_that_fails_to_compile_on_one_rank_fails_on_every_rank(faults):
