@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from spmd_pool import RankError, SPMDPool
+from spmd_pool import RankError, SPMDPool, quick_inductor_kernels
 
 PG_TIMEOUT_S = 120.0  # a collective that one rank skips must fail the test, not hang it
 TASK_TIMEOUT_S = 1500.0
@@ -35,6 +35,7 @@ _pool: SPMDPool | None = None
 def _worker(rank: int, world: int, store_path: str, out_dir: str, fn: Callable[..., Any], args: tuple) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
+    quick_inductor_kernels()
     store = dist.FileStore(store_path, world)
     dist.init_process_group(
         "gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=PG_TIMEOUT_S)
