@@ -26,3 +26,18 @@ def run(rank: int, world: int, runs: list[tuple[str, str, Any]], batch: dict[str
         res["collectives"] = dict(report.collectives)
         out.append(res)
     return out
+
+
+def run_tile_mlp(rank: int, world: int, runs: list[tuple[str, str, str, dict]], batch: dict[str, torch.Tensor]) -> list:
+    """One step per (model, backend, variant, options) with tiled MLPs: loss, gradients, the report's notes."""
+    out = []
+    for name, backend, variant, options in runs:
+        torch._dynamo.reset()
+        model = cases.build(name)
+        compiled = autosp.compile(model, backend=backend, fullgraph=True, variant=variant, **options)
+        with cases.caches_off():
+            res = cases.step(compiled, name, batch)
+        res["notes"] = [n for r in compiled.autosp_reports for n in r.notes if n.startswith("tile_mlp")]
+        res["fallbacks"] = [f for r in compiled.autosp_reports for f in r.fallbacks]
+        out.append(res)
+    return out

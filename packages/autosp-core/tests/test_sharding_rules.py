@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from autosp.linear_cross_entropy import OP as LINEAR_CROSS_ENTROPY
+from autosp.tiled_mlp import OP as TILED_MLP
 from autosp.sharding.placement import Partial, Replicate, SeqAxis, Shard
 from autosp.sharding.rules import RULES
 from autosp.sharding.testing import check_op, head_shard, shard
@@ -648,6 +649,56 @@ case(
     rs(0),
     R,
     rs(0),
+)
+# The tiled MLP (autosp.tile_mlp): rows [B*S, D] sharded, weights whole, chunks of 3 rows; row-wise, so
+# the rows keep their layout. Gated (no biases) and plain (biases), and whole rows (run replicated).
+for lay in ALL_LAYOUTS:
+    case(
+        TILED_MLP,
+        f"gated-rows-{lay}",
+        args(
+            lambda g: randn(g, B * S, D),
+            lambda g: randn(g, 5, D),
+            None,
+            lambda g: randn(g, 5, D),
+            lambda g: randn(g, D, 5),
+            None,
+            "silu",
+            3,
+        ),
+        shard(0, lay, length=S),
+        R,
+        R,
+        R,
+        expect=(Shard,),
+    )
+case(
+    TILED_MLP,
+    "plain-biases-rows",
+    args(
+        lambda g: randn(g, S, D),
+        lambda g: randn(g, 5, D),
+        lambda g: randn(g, 5),
+        None,
+        lambda g: randn(g, D, 5),
+        lambda g: randn(g, D),
+        "gelu_tanh",
+        3,
+    ),
+    shard(0, "zigzag"),
+    R,
+    R,
+    R,
+    R,
+    expect=(Shard,),
+)
+case(
+    TILED_MLP,
+    "replicated-rows",
+    args(lambda g: randn(g, S, D), lambda g: randn(g, 5, D), None, None, lambda g: randn(g, D, 5), None, "relu", 4),
+    rs(0),
+    R,
+    R,
 )
 # A classifier: pooled logits [B, C] and one target per example.
 for reduction in (0, 1, 2):

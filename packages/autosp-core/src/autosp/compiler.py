@@ -131,6 +131,7 @@ class _Partitioner:
                     opts.memory_budget,
                     opts.outputs,
                     opts.tile_loss,
+                    opts.tile_mlp,
                     [p.name for p in self.manager.passes],
                 )
             ).encode()

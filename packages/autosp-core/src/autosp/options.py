@@ -47,6 +47,10 @@ class SPOptions:
         tile_loss: compute a token-wise LM head and its cross entropy in chunks of tokens, so the
             ``[tokens, vocab]`` logits are never whole (``autosp.tile_loss``): True (default) where it
             saves memory, False to leave the graph as is, or an int: the rows of one chunk.
+        tile_mlp: compute each token-wise MLP (``act(x W1) W2``, gated or not) in chunks of tokens,
+            forward and backward, so its ``[tokens, ffn]`` intermediates are never whole
+            (``autosp.tile_mlp``): False (default: the backward recomputes the MLP's first matmuls,
+            which SAC on does anyway), True, or an int: the rows of one chunk.
         memory_budget: bytes (an int) or a fraction (0 < f <= 1) of the device's memory that
             ``sac="auto"`` fits the program into; ``None``: the hardware profile's memory.
         hardware: the profile cost models use (SAC's, ``variant="auto"``'s): a name ("h100-80gb",
@@ -69,6 +73,7 @@ class SPOptions:
     check_inputs: CheckMode | bool = "tokens"
     timeout: float | timedelta | None = None
     tile_loss: bool | int = True
+    tile_mlp: bool | int = False
     memory_budget: int | float | None = None
     hardware: HardwareOption = None
     outputs: Literal["whole", "sharded"] = "whole"
@@ -92,12 +97,10 @@ class SPOptions:
                     "timeout=timedelta(seconds=...))) and leave timeout= unset"
                 )
         check_option(self.hardware)
-        if (
-            isinstance(self.tile_loss, float)
-            or not isinstance(self.tile_loss, int)
-            or (not isinstance(self.tile_loss, bool) and self.tile_loss < 1)
-        ):
-            raise ConfigError(f"tile_loss={self.tile_loss!r}; use True, False or the rows of one chunk (an int >= 1)")
+        for name in ("tile_loss", "tile_mlp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or (not isinstance(value, bool) and value < 1):
+                raise ConfigError(f"{name}={value!r}; use True, False or the rows of one chunk (an int >= 1)")
         budget = self.memory_budget
         if budget is not None and (
             isinstance(budget, bool)

@@ -39,6 +39,14 @@ METHODS: dict[str, Method] = {
         Method("autosp-ulysses", "autosp", True, True, {"variant": "ulysses", "sac": False}, "ours: ulysses"),
         Method("autosp-ulysses-sac", "autosp", True, True, {"variant": "ulysses", "sac": True}, "ours: ulysses + SAC"),
         Method(
+            "autosp-ulysses-sac-tiled",
+            "autosp",
+            True,
+            True,
+            {"variant": "ulysses", "sac": True, "tile_mlp": True},
+            "ours: ulysses + SAC + tiled MLPs",
+        ),
+        Method(
             "autosp-ulysses-auto",
             "autosp",
             True,

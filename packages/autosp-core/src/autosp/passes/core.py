@@ -15,6 +15,7 @@ from autosp.lowering import FLEX, SDPA, insert_leaves, leaves_for_kernels, lower
 from autosp.passes.grad_sync import sync_grads
 from autosp.passes.manager import Pass, Stage
 from autosp.passes.tile_loss import TILE_LOSS
+from autosp.passes.tile_mlp import TILE_MLP
 from autosp.passes.unrepeat import UNREPEAT_KV
 from autosp.sharding import collectives as C
 from autosp.sharding.context import SPContext
@@ -331,6 +332,7 @@ PASSES = (
     ),
     UNREPEAT_KV,
     TILE_LOSS,
+    TILE_MLP,
     Pass(
         "autosp.shard",
         Stage.GRAPH,

@@ -220,7 +220,7 @@ def _has_loss(gm: fx.GraphModule) -> bool:
     )
 
 
-def _symbolic(inputs: list[Any]) -> bool:
+def has_symbolic_shapes(inputs: list[Any]) -> bool:
     return any(
         isinstance(x, torch.SymInt) or (isinstance(x, torch.Tensor) and not all(isinstance(d, int) for d in x.shape))
         for x in inputs
@@ -232,7 +232,7 @@ def tile_loss(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule | None:
         # Without SP nothing lowered the graph; lower it only when there is a loss to tile.
         if not _has_loss(gm):
             return None
-        if _symbolic(ctx.fake_inputs):
+        if has_symbolic_shapes(ctx.fake_inputs):
             # Tracing adds guards on the symbolic length, which would make Dynamo recompile lengths
             # that the graph Dynamo made serves (under SP the graph is lowered anyway).
             ctx.report.notes.append("tile_loss: not tried on one rank with a dynamic length")

@@ -183,6 +183,9 @@ def all_to_all_wait(buf: Tensor, shape: list[int], scatter_dim: int, gather_dim:
         pending = _PENDING.pop(buf.data_ptr(), None)
         if pending is not None:
             pending[0].wait()
+            # The send copy dies here, before the layout below allocates the result: the wait's
+            # peak is the receive buffer and the result, not the send copy as well.
+            del pending
     world = dist.get_world_size(_group(group_name))
     rest = [n for d, n in enumerate(shape) if d != scatter_dim]
     recv = buf.view(world, shape[scatter_dim] // world, *rest)

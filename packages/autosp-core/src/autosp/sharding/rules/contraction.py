@@ -14,6 +14,7 @@ from autosp.sharding.rules.base import (
     replicated,
     rule,
 )
+from autosp.tiled_mlp import OP as TILED_MLP
 
 aten = torch.ops.aten
 
@@ -86,6 +87,23 @@ def matmul_rule(ctx, node, args, kwargs):
     else:
         out = node.target(la_local, lb_local, *extra, **kwargs)
     return SPValue(out, placement, node.meta["val"])
+
+
+@rule(TILED_MLP)
+def tiled_mlp_rule(ctx, node, args, kwargs):
+    """The tiled MLP on this rank's rows: it is row-wise, so the rows keep their sharding.
+
+    The weights are whole on every rank; each rank's weight gradients cover its rows, which the
+    gradient all-reduce sums, as for a plain matmul on sharded rows.
+    """
+    x, *weights = args[:6]
+    p = x.placement
+    if not isinstance(p, Shard) or p.axis.dim != 0 or x.ndim != 2:
+        return fallback(ctx, node, args, kwargs)
+    local = [
+        to_replicate(ctx, w, f"{node.name}: MLP weight gathered").local if w is not None else None for w in weights
+    ]
+    return SPValue(TILED_MLP(x.local, *local, *args[6:]), p, node.meta["val"])
 
 
 def _whole(ctx: SPContext, v: SPValue) -> SPValue:

@@ -1,0 +1,129 @@
+"""autosp.tile_mlp in one process: the chunked op against the whole MLP, and which MLPs the pass tiles."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autosp
+from autosp.testing.models import Config, LlamaLike
+from autosp.tiled_mlp import ACTIVATIONS, tiled_mlp
+
+V, D, FF = 96, 16, 40
+
+
+def _whole(x, w_in, b_in, w_gate, w_out, b_out, act):
+    f = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda z: F.gelu(z, approximate="tanh"), "relu": F.relu}[act]
+    z = F.linear(x, w_in, b_in)
+    return F.linear(f(z) if w_gate is None else f(F.linear(x, w_gate)) * z, w_out, b_out)
+
+
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("act", ACTIVATIONS)
+@pytest.mark.parametrize("chunk", [7, 25, 1000])  # rows not dividing N, dividing it, and one chunk
+def test_op_equals_the_whole_mlp_values_and_gradients(gated: bool, act: str, chunk: int) -> None:
+    g = torch.Generator().manual_seed(hash((gated, act)) % 1000)
+
+    def p(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) / shape[-1] ** 0.5).requires_grad_()
+
+    x, w_in, w_out = p(50, D), p(FF, D), p(D, FF)
+    w_gate = p(FF, D) if gated else None
+    b_in, b_out = (None, None) if gated else (p(FF), p(D))
+    leaves = [t for t in (x, w_in, b_in, w_gate, w_out, b_out) if t is not None]
+    ref = _whole(x, w_in, b_in, w_gate, w_out, b_out, act)
+    grad = torch.randn(ref.shape, generator=g)
+    want = torch.autograd.grad(ref, leaves, grad)
+    out = tiled_mlp(x, w_in, b_in, w_gate, w_out, b_out, act, chunk)
+    got = torch.autograd.grad(out, leaves, grad)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+class PlainMLPs(nn.Module):
+    """GPT-2-style blocks: biased fc -> gelu(tanh) -> biased proj, residual; and a relu MLP without biases."""
+
+    def __init__(self, aux: str = "") -> None:
+        super().__init__()
+        self.embed = nn.Embedding(V, D)
+        self.fc, self.proj = nn.Linear(D, FF), nn.Linear(FF, D)
+        self.up, self.down = nn.Linear(D, FF, bias=False), nn.Linear(FF, D, bias=False)
+        self.head = nn.Linear(D, V, bias=False)
+        self.aux = aux
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor):
+        h = self.embed(ids)
+        hidden = F.gelu(self.fc(h), approximate="tanh")
+        h = h + self.proj(hidden)
+        h = h + self.down(F.relu(self.up(h)))
+        loss = F.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
+        if self.aux == "activation_loss":  # an auxiliary loss reads the first MLP's activation
+            loss = loss + 1e-3 * hidden.pow(2).mean()
+        return (loss, hidden) if self.aux == "returned" else loss
+
+
+def _batch(seq: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, V, (2, seq), generator=g)
+    return ids, ids.roll(-1, 1)
+
+
+def _run(model: nn.Module, **options) -> tuple[torch.Tensor, dict, list[str]]:
+    compiled = autosp.compile(model, **options)
+    out = compiled(*_batch())
+    loss = out[0] if isinstance(out, tuple) else out
+    loss.backward()
+    notes = [n for r in compiled.autosp_reports for n in r.notes if n.startswith("tile_mlp")]
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, notes
+
+
+def _exact(make, **options) -> list[str]:
+    torch.manual_seed(0)
+    model = make()
+    ref = copy.deepcopy(model)
+    out = ref(*_batch())
+    (out[0] if isinstance(out, tuple) else out).backward()
+    loss, grads, notes = _run(model, **options)
+    torch.testing.assert_close(loss, out[0] if isinstance(out, tuple) else out, rtol=1e-5, atol=1e-6)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
+    return notes
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_llama_mlps_are_tiled_and_exact(backend: str) -> None:
+    notes = _exact(lambda: LlamaLike(Config(layers=2)), backend=backend, tile_mlp=32)
+    tiled = [n for n in notes if "tiled the gated silu MLP" in n]
+    assert len(tiled) == 2 and "in chunks of 32 rows" in tiled[0], notes
+
+
+def test_plain_mlps_with_biases_are_tiled_and_exact() -> None:
+    notes = _exact(PlainMLPs, backend="aot_eager", tile_mlp=48)
+    assert any("tiled the gelu_tanh MLP" in n for n in notes), notes
+    assert any("tiled the relu MLP" in n for n in notes), notes
+
+
+@pytest.mark.parametrize("aux", ["activation_loss", "returned"])
+def test_an_mlp_whose_values_are_read_elsewhere_is_left_as_is(aux: str) -> None:
+    notes = _exact(lambda: PlainMLPs(aux), backend="aot_eager", tile_mlp=48)
+    # The second MLP is tiled; the first, whose activation is also read, is not.
+    assert sum("tiled the relu MLP" in n for n in notes) == 1, notes
+    assert not any("gelu_tanh" in n for n in notes), notes
+    assert sum("not tiled: its hidden values are read elsewhere" in n for n in notes) == 1, notes
+
+
+def test_off_by_default_and_one_chunk_is_not_tiled() -> None:
+    assert _exact(lambda: LlamaLike(Config(layers=1)), backend="aot_eager") == []
+    notes = _exact(lambda: LlamaLike(Config(layers=1)), backend="aot_eager", tile_mlp=True)
+    assert notes and all("fit in one chunk" in n for n in notes), notes
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, "yes"])
+def test_bad_tile_mlp_is_refused(bad) -> None:
+    with pytest.raises(autosp.ConfigError, match="tile_mlp="):
+        autosp.compile(nn.Linear(2, 2), tile_mlp=bad)
