@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from autosp.linear_cross_entropy import OP as LINEAR_CROSS_ENTROPY
-from autosp.tiled_mlp import OP as TILED_MLP
 from autosp.sharding.placement import Partial, Replicate, SeqAxis, Shard
 from autosp.sharding.rules import RULES
 from autosp.sharding.testing import check_op, head_shard, shard
+from autosp.tiled_mlp import OP as TILED_MLP
 
 aten = torch.ops.aten
 B, S, D, C, V = 2, 24, 4, 5, 11  # S = 24: zigzag needs 2P | S for P = 2, 3, 4
