@@ -10,7 +10,6 @@ import cases
 import tile_loss_workers as workers
 import torch
 from harness import run_spmd
-from test_tile_loss import _assert_matches
 
 SEQ = 64
 
@@ -19,6 +18,12 @@ def _batch() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(6)
     ids = torch.randint(0, 96, (2, SEQ), generator=g)
     return {"ids": ids, "labels": ids.clone()}
+
+
+def _assert_matches(got: dict, ref: dict, what: str) -> None:
+    torch.testing.assert_close(got["loss"], ref["loss"], rtol=1e-6, atol=1e-6, msg=f"{what}: loss")
+    for pname, g in ref["grads"].items():
+        torch.testing.assert_close(got["grads"][pname], g, rtol=1e-4, atol=1e-6, msg=f"{what}: grad of {pname}")
 
 
 def _check(world: int, runs: list[tuple[str, str, str, dict]]) -> None:

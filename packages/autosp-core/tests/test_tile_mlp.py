@@ -127,3 +127,9 @@ def test_off_by_default_and_one_chunk_is_not_tiled() -> None:
 def test_bad_tile_mlp_is_refused(bad) -> None:
     with pytest.raises(autosp.ConfigError, match="tile_mlp="):
         autosp.compile(nn.Linear(2, 2), tile_mlp=bad)
+
+
+def test_composes_with_tiled_loss() -> None:
+    # On one rank tile_loss lowers the graph first when it tiles; tile_mlp then works on its output.
+    notes = _exact(lambda: LlamaLike(Config(layers=2)), backend="aot_eager", tile_mlp=16, tile_loss=16)
+    assert sum(n.startswith("tile_mlp: tiled") for n in notes) == 2, notes

@@ -5,8 +5,8 @@ The liveness walk sees a collective as one node allocating its result. Its imple
 copies. They are allocations like any other (CUDA's ``memory_allocated`` and the CPU allocator's
 profiler events count them), so the walk adds them: ``transient`` bytes are live together with
 the result at the op's highest moment and freed when it returns; ``held`` bytes are allocated by
-an exchange's start and freed when its wait returns (the start keeps its send buffer referenced
-while the data is in flight). Each term names the buffer of the implementation it stands for.
+an exchange's start and freed by its wait once the data has arrived, before the wait lays out its
+result (the start keeps its send buffer referenced while the data is in flight). Each term names the buffer of the implementation it stands for.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def buffers(node: fx.Node, comm_backend: str) -> InOp:
     if name == "all_to_all":
         if any(u.target in WAIT_OPS for u in node.users):
             # all_to_all_start: ``send`` (x.new_empty of the input's size) stays in _PENDING until the
-            # wait; its result is the receive buffer itself.
+            # wait has waited; its result is the receive buffer itself.
             return InOp(held=inp)
         # One op that exchanges and lays out: its send copy and receive buffer, then the cat (its result).
         return InOp(transient=2 * out)

@@ -285,7 +285,7 @@ def _timeline(
             continue
         frees[i].append(b)
     owned: dict[fx.Node, int] = {}
-    at_wait: dict[fx.Node, list[int]] = defaultdict(list)  # buffers a start keeps until this wait returns
+    at_wait: dict[fx.Node, list[int]] = defaultdict(list)  # buffers a start keeps until this wait
     t = Timeline()
 
     def event(sign: int, index: int, node: fx.Node, is_grad: bool = False) -> None:
@@ -307,6 +307,9 @@ def _timeline(
                 event(-1, moment, node)
         elif node.op == "call_function" and base[node] is node:
             inside = collective_memory.buffers(node, runtime.comm_backend)
+            # A wait drops the send copy its start kept before it lays out its result.
+            for held in at_wait.pop(node, ()):
+                event(-1, held, node)
             extra = inside.transient + kernel_memory.scratch(node, runtime)
             transient = table.add(extra) if extra != 0 else None
             if transient is not None:
@@ -320,8 +323,6 @@ def _timeline(
             if inside.held != 0 and waits:
                 at_wait[waits[0]].append(table.add(inside.held))
                 event(1, at_wait[waits[0]][-1], node)
-            for held in at_wait.pop(node, ()):
-                event(-1, held, node)
             if node not in last and node not in outputs:  # nothing reads it (a size read does not count)
                 event(-1, owned[node], node)
         for b in frees.get(i, ()):
