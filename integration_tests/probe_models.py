@@ -479,6 +479,8 @@ def inputs(name: str, seq: int = 16, batch: int = 2) -> tuple[torch.Tensor, ...]
         "rotated",
         "custom-function",
         "custom-function-disabled",
+        "chunk-local",
+        "chunk-local-mask",
     ):
         return (ids,)
     return ids, y
@@ -960,6 +962,40 @@ BUILDERS.update(
     {
         "custom-function": lambda s: CustomFunction(outside=False),
         "custom-function-disabled": lambda s: CustomFunction(outside=True),
+    }
+)
+NAMES = list(BUILDERS)
+
+
+class ChunkLocal(LMBase):
+    """Block-local attention: the sequence cut into chunks, SDPA on ``[B, chunks, H, chunk, d]`` (5-D) inside each.
+
+    Causal within a chunk (``is_causal``) or with an explicit ``[chunk, chunk]`` boolean mask that
+    SDPA broadcasts over the batch and chunk dims; a global attention layer follows.
+    """
+
+    def __init__(self, chunk: int, masked: bool) -> None:
+        super().__init__()
+        self.chunk, self.masked = chunk, masked
+        self.local = nn.Linear(DIM, 3 * DIM)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        B, S, _ = x.shape
+        q, k, v = self.local(x).view(B, S // self.chunk, self.chunk, 3, HEADS, HD).permute(3, 0, 1, 4, 2, 5)
+        if self.masked:
+            keep = torch.ones(self.chunk, self.chunk, dtype=torch.bool).tril()
+            o = F.scaled_dot_product_attention(q, k, v, keep)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + o.permute(0, 1, 3, 2, 4).reshape(B, S, DIM)
+        return self.lm_loss(x + self.attn(x), ids)
+
+
+BUILDERS.update(
+    {
+        "chunk-local": lambda s: ChunkLocal(4, masked=False),
+        "chunk-local-mask": lambda s: ChunkLocal(4, masked=True),
     }
 )
 NAMES = list(BUILDERS)

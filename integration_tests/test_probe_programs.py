@@ -10,7 +10,8 @@ batch 1 and batch == sequence length, soft-target cross-entropy (once a crash: a
 lowering left without ``meta["val"]``) and label smoothing (an in-place ``masked_fill_`` from
 its decomposition), values made under ``no_grad`` (a buffer's running mean, a self-distillation
 target: once silently given a gradient), self-attention over several lengths (an encoder and a
-decoder, a funnel, learned latent queries: the longest is sharded), token mixers beyond attention
+decoder, a funnel, learned latent queries: the longest is sharded), block-local attention through SDPA
+on 5-D q/k/v (once refused: the analysis read SDPA as 4-D only), token mixers beyond attention
 (FFT, a causal conv, a GRU, a loop over positions, CTC) and, under Inductor, collectives it once
 ordered differently per rank or dropped on one rank (deadlocks), or merged on one rank (CSE: a
 silently wrong loss). Loss, every other
@@ -50,8 +51,9 @@ PROBES = {
         ("no-grad-target", 16, 2),
         ("encoder-decoder", 16, 2),
         ("latent-queries", 16, 2),
+        ("chunk-local", 16, 2),
     ],
-    "ring": [*COMMON, ("instancenorm", 16, 2), ("select-topk", 16, 3), ("funnel", 16, 2)],
+    "ring": [*COMMON, ("instancenorm", 16, 2), ("select-topk", 16, 3), ("funnel", 16, 2), ("chunk-local-mask", 16, 2)],
 }
 # Under Inductor: collectives whose order Inductor would choose by rank-dependent sizes (two
 # independent exchanges), one a rank would drop (its piece of the queries is empty), and ones

@@ -125,6 +125,12 @@ def site_from_node(node: torch.fx.Node, spec: AttentionSpec) -> AttentionSite:
     if q.dim() != len(lay) or k.dim() != len(lay):
         raise AutoSPError(
             f"attention call {node.name}: q has {q.dim()} dims but layout {lay!r} of {spec.name} expects {len(lay)}"
+            + (
+                " (SDPA on more dims is folded to 4 when its batch dims are of static size and alike in q, k and "
+                "v; fold them yourself, q.flatten(0, q.dim() - 4) and the same for k and v, or mark no length dynamic)"
+                if spec.name == "sdpa" and q.dim() > len(lay)
+                else ""
+            )
         )
     signature = spec.signature or SDPA_SIGNATURE
     mask = _meta(_arg(node, spec.mask, signature))

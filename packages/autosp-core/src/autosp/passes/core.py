@@ -12,6 +12,7 @@ from autosp.analysis.source import user_line
 from autosp.context import CompileContext
 from autosp.errors import AutoSPError
 from autosp.lowering import FLEX, SDPA, insert_leaves, leaves_for_kernels, lower_to_aten
+from autosp.passes.fold_attention_batch import FOLD_ATTENTION_BATCH
 from autosp.passes.grad_sync import sync_grads
 from autosp.passes.manager import Pass, Stage
 from autosp.passes.tile_loss import TILE_LOSS
@@ -321,6 +322,7 @@ def _sp(ctx: CompileContext) -> bool:
 
 
 PASSES = (
+    FOLD_ATTENTION_BATCH,
     Pass("autosp.find_attention", Stage.GRAPH, find_attention, doc="find attention sites and their axes"),
     Pass(
         "autosp.lower",
