@@ -227,23 +227,30 @@ def has_symbolic_shapes(inputs: list[Any]) -> bool:
     )
 
 
+def lowered_on_one_rank(gm: fx.GraphModule, ctx: CompileContext, name: str) -> fx.GraphModule | None:
+    """``gm`` lowered to aten for a memory pass on one rank (nothing else lowers it there), or None.
+
+    None, with a note, when lowering is not tried or fails: only a memory optimisation is lost.
+    """
+    if has_symbolic_shapes(ctx.fake_inputs):
+        # Tracing adds guards on the symbolic length, which would make Dynamo recompile lengths
+        # that the graph Dynamo made serves (under SP the graph is lowered anyway).
+        ctx.report.notes.append(f"{name}: not tried on one rank with a dynamic length")
+        return None
+    try:
+        return lower_to_aten(gm, ctx.fake_inputs, ctx.fake_mode)
+    except Exception as e:  # noqa: BLE001 - the graph runs as it is
+        ctx.report.notes.append(f"{name}: not tried, lowering the graph failed: {type(e).__name__}: {e}")
+        return None
+
+
 def tile_loss(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule | None:
+    lowered: fx.GraphModule | None = gm
     if not ctx.sp:
-        # Without SP nothing lowered the graph; lower it only when there is a loss to tile.
-        if not _has_loss(gm):
+        # Lower only when there is a loss to tile.
+        lowered = lowered_on_one_rank(gm, ctx, "tile_loss") if _has_loss(gm) else None
+        if lowered is None:
             return None
-        if has_symbolic_shapes(ctx.fake_inputs):
-            # Tracing adds guards on the symbolic length, which would make Dynamo recompile lengths
-            # that the graph Dynamo made serves (under SP the graph is lowered anyway).
-            ctx.report.notes.append("tile_loss: not tried on one rank with a dynamic length")
-            return None
-        try:
-            lowered = lower_to_aten(gm, ctx.fake_inputs, ctx.fake_mode)
-        except Exception as e:  # noqa: BLE001 - only a memory optimisation is lost; the graph runs as it is
-            ctx.report.notes.append(f"tile_loss: not tried, lowering the graph failed: {type(e).__name__}: {e}")
-            return None
-    else:
-        lowered = gm
     tiled = False
     for nll in [n for n in lowered.graph.nodes if n.target is aten.nll_loss_forward.default]:
         found = _match(nll)
@@ -268,4 +275,4 @@ TILE_LOSS = Pass(
     doc="LM head + cross entropy in token chunks: the [tokens, vocab] logits are never whole",
 )
 
-__all__ = ["CHUNK_BYTES", "TILE_LOSS", "tile_loss"]
+__all__ = ["CHUNK_BYTES", "TILE_LOSS", "lowered_on_one_rank", "tile_loss"]

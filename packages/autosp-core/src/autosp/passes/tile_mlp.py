@@ -27,9 +27,8 @@ from torch import fx
 
 from autosp.analysis.users import live_users
 from autosp.context import CompileContext
-from autosp.lowering import lower_to_aten
 from autosp.passes.manager import Pass, Stage
-from autosp.passes.tile_loss import has_symbolic_shapes
+from autosp.passes.tile_loss import lowered_on_one_rank
 from autosp.tiled_mlp import OP
 
 aten = torch.ops.aten
@@ -238,18 +237,12 @@ def _rewrite(gm: fx.GraphModule, ctx: CompileContext, m: _Match) -> str:
 
 
 def tile_mlp(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule | None:
-    lowered = gm
     if not ctx.sp:
-        # Without SP nothing lowered the graph (tile_loss may have): lower it here, as tile_loss does.
-        if has_symbolic_shapes(ctx.fake_inputs):
-            ctx.report.notes.append("tile_mlp: not tried on one rank with a dynamic length")
+        # Nothing lowered the graph on one rank (tile_loss may have, when it tiled): lower it here.
+        lowered = lowered_on_one_rank(gm, ctx, "tile_mlp")
+        if lowered is None:
             return None
-        try:
-            lowered = lower_to_aten(gm, ctx.fake_inputs, ctx.fake_mode)
-        except Exception as e:  # noqa: BLE001 - only a memory optimisation is lost; the graph runs as it is
-            ctx.report.notes.append(f"tile_mlp: not tried, lowering the graph failed: {type(e).__name__}: {e}")
-            return None
-    gm = lowered
+        gm = lowered
     tiled, erased = False, set()
     for mm in [n for n in gm.graph.nodes if n.target in (aten.mm.default, aten.addmm.default)]:
         if mm in erased:
