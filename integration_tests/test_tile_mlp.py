@@ -48,6 +48,7 @@ def test_two_ranks_ulysses_ring_sac_and_inductor():
             ("llama", "aot_eager", "ulysses", {"tile_mlp": 16, "sac": True}),
             ("llama", "inductor", "ulysses", {"tile_mlp": 16, "sac": True}),
             ("gpt2", "aot_eager", "ring", {"tile_mlp": 16}),
+            ("hf-llama", "aot_eager", "ulysses", {"tile_mlp": 16}),
         ],
     )
 
