@@ -207,7 +207,7 @@ def _rewrite(gm: fx.GraphModule, ctx: CompileContext, m: _Match) -> str:
     rows = _rows(ctx, features, x_val.dtype)
     local = math.ceil(n_tokens / ctx.world)
     if local <= rows:
-        return f"{m.out_mm.name} not tiled: {local} tokens per rank fit in one chunk of {rows} rows"
+        return f"{m.out_mm.name} not tiled: its {local} rows per rank (its rows over the SP ranks) fit in one chunk of {rows}"
     graph = gm.graph
     with graph.inserting_before(m.out_mm):
         node = graph.call_function(OP, (m.x, *m.args, m.act, rows))
