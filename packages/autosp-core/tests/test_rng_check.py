@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from autosp.rng_check import RandomStateMismatch, random_ops, refuse_divergent_rng
+from autosp.rng_check import RandomStateMismatch, random_ops, refuse_divergent_rng, rng_digests
 
 
 def _ops(fn, *args) -> list[str]:
@@ -37,3 +37,15 @@ def test_the_graph_refuses_only_when_its_device_generators_differ() -> None:
     splits["cpu"] = [[0, 2], [1]]
     with pytest.raises(RandomStateMismatch, match=r"cpu random number generator states \(ranks 0, 2 / rank 1"):
         fn(1)
+
+
+def test_digests_need_no_numpy(monkeypatch) -> None:
+    # torch does not require numpy; the digest runs on every SP call (once it crashed without it).
+    def no_numpy(self):
+        raise RuntimeError("Numpy is not available")
+
+    monkeypatch.setattr(torch.Tensor, "numpy", no_numpy)
+    before = rng_digests()
+    assert before == rng_digests()
+    torch.rand(1)
+    assert rng_digests() != before

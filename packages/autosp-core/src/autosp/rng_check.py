@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import struct
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -35,10 +36,19 @@ def digest_bytes(data: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
 
 
+def _state_digest(state: torch.Tensor) -> int:
+    # A generator state is a uint8 tensor: read through a list (numpy, which torch does not
+    # require, may be absent), as int64 words where the size allows (8x fewer elements).
+    if state.numel() % 8 == 0:
+        words = state.view(torch.int64).tolist()
+        return digest_bytes(struct.pack(f"<{len(words)}q", *words))
+    return digest_bytes(bytes(state.tolist()))
+
+
 def rng_digests() -> list[int]:
     """One int64 per ``DEVICE_TYPES`` entry: this process's default generator states (0: not in use)."""
-    cuda = digest_bytes(torch.cuda.get_rng_state().numpy().tobytes()) if torch.cuda.is_initialized() else 0
-    return [digest_bytes(torch.get_rng_state().numpy().tobytes()), cuda]
+    cuda = _state_digest(torch.cuda.get_rng_state()) if torch.cuda.is_initialized() else 0
+    return [_state_digest(torch.get_rng_state()), cuda]
 
 
 def _draws(node: torch.fx.Node, target: torch._ops.OpOverload) -> bool:
