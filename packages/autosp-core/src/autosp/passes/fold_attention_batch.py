@@ -94,15 +94,17 @@ def fold_attention_batch(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphMod
     for module in list(gm.modules()):
         if not isinstance(module, fx.GraphModule):
             continue
+        folded = False
         for node in [
             n for n in module.graph.nodes if n.op == "call_function" and n.target is F.scaled_dot_product_attention
         ]:
             note = _fold(module.graph, node)
             if note is not None:
                 ctx.report.notes.append(note)
-                changed |= "folded" in note
-        if changed:
+                folded |= "folded" in note
+        if folded:
             module.recompile()
+        changed |= folded
     return gm if changed else None
 
 

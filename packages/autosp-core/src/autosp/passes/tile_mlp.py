@@ -28,7 +28,7 @@ from torch import fx
 from autosp.analysis.users import live_users
 from autosp.context import CompileContext
 from autosp.passes.manager import Pass, Stage
-from autosp.passes.tile_loss import lowered_on_one_rank
+from autosp.passes.tile_loss import _hint, _val, lowered_on_one_rank  # the same graph helpers
 from autosp.tiled_mlp import OP
 
 aten = torch.ops.aten
@@ -36,14 +36,6 @@ aten = torch.ops.aten
 CHUNK_BYTES = 4 * 2**20  # one chunk's [rows, ffn] values: large enough for efficient matmuls
 MIN_ROWS = 64
 VIEWS = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default})
-
-
-def _val(node: Any) -> Any:
-    return node.meta.get("val") if isinstance(node, fx.Node) else None
-
-
-def _hint(n: int | torch.SymInt) -> int:
-    return n if isinstance(n, int) else int(n.node.hint)
 
 
 def _only_user(node: fx.Node, user: fx.Node) -> bool:
