@@ -59,6 +59,8 @@ PROBES = {
 # independent exchanges), one a rank would drop (its piece of the queries is empty), and ones
 # whose ordering edge a rank would drop (its piece of their result is empty).
 INDUCTOR = [("reverse-attention", 16, 2), ("last-queries", 16, 2), ("mix-position-loop", 16, 2), ("rotated", 16, 2)]
+# SDPA on 5-D q/k/v, folded to 4-D before the analysis, under Inductor too (both variants).
+INDUCTOR += [("chunk-local-mask", 16, 2)]
 # Token mixing beyond attention, with SAC on (the min-cut partitioner, which once merged equal
 # collectives on one rank by CSE: the position loop's all-reduces then paired wrongly across ranks).
 MIXERS = [

@@ -55,4 +55,11 @@ def test_two_ranks_ulysses_ring_sac_and_inductor():
 
 def test_four_ranks():
     hybrid = {"tile_mlp": 16, "variant_options": {"ulysses_degree": 2}}
-    _check(4, [("llama", "aot_eager", "ulysses", {"tile_mlp": 16}), ("gpt2", "aot_eager", "hybrid", hybrid)])
+    _check(
+        4,
+        [
+            ("llama", "aot_eager", "ulysses", {"tile_mlp": 16}),
+            ("llama", "inductor", "ulysses", {"tile_mlp": 16}),
+            ("gpt2", "aot_eager", "hybrid", hybrid),
+        ],
+    )
