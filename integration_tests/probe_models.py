@@ -481,6 +481,10 @@ def inputs(name: str, seq: int = 16, batch: int = 2) -> tuple[torch.Tensor, ...]
         "custom-function-disabled",
         "chunk-local",
         "chunk-local-mask",
+        "embedding-freq-scaled",
+        "complex-output",
+        "attention-dropout",
+        "written-dropout",
     ):
         return (ids,)
     return ids, y
@@ -996,6 +1000,118 @@ BUILDERS.update(
     {
         "chunk-local": lambda s: ChunkLocal(4, masked=False),
         "chunk-local-mask": lambda s: ChunkLocal(4, masked=True),
+    }
+)
+NAMES = list(BUILDERS)
+
+
+# --- found by the third round of held-out probes: each once silently wrong or an unclear crash -----
+
+
+class FirstTokenBroadcast(LMBase):
+    """The first and last token copied along the sequence (``x[:, :1].expand(-1, S, -1)``) and mixed in.
+
+    Once silently wrong: the one-position piece kept its sharding through the broadcast, so each
+    rank's copy was a piece of one element (a pooled vector a factor S too small)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mix = nn.Linear(2 * DIM, DIM)
+        self.cls = nn.Linear(DIM, CLASSES)
+
+    def forward(self, ids, y):
+        x = self.embed(ids)
+        x = x + self.attn(self.ln(x))
+        S = x.shape[1]
+        x = self.mix(torch.cat([x, x[:, :1].expand(-1, S, -1)], -1)) + x[:, -1:]
+        return F.cross_entropy(self.cls(x.mean(1)), y)
+
+
+class FreqScaledEmbedding(LMBase):
+    """``nn.Embedding(scale_grad_by_freq=True)``: once each rank divided by its own tokens' counts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM, scale_grad_by_freq=True)
+
+    def forward(self, ids):
+        x = self.embed(ids % 7)  # few distinct tokens, each on several ranks
+        return self.lm_loss(x + self.attn(self.ln(x)), ids)
+
+
+class ComplexOutput(LMBase):
+    """A complex output (an FFT of the logits) differentiated outside: its gradient once came back P times."""
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        x = x + self.attn(self.ln(x))
+        return self.lm_loss(x, ids), torch.fft.rfft(self.head(x.mean(1)), dim=-1)
+
+
+class CircularPad(LMBase):
+    """A circular convolution over the sequence: ``F.pad(mode="circular")`` fills slices of a new tensor
+    in place inside its decomposition (once refused with advice about the user's own in-place ops)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(DIM, DIM, 3)
+        self.cls = nn.Linear(DIM, CLASSES)
+
+    def forward(self, ids, y):
+        x = self.embed(ids)
+        x = x + self.attn(self.ln(x))
+        h = self.conv(F.pad(x.transpose(1, 2), (1, 1), mode="circular")).transpose(1, 2)
+        return F.cross_entropy(self.cls((x + h).mean(1)), y)
+
+
+class AttentionDropout(LMBase):
+    """Attention dropout inside SDPA, or written out after the softmax: the masks must be the program's.
+
+    SDPA's was once drawn per rank for its own heads (the same mask on every rank), so the result
+    matched no single-device run; now that call runs whole on every rank. Written out, the dropout
+    draws the whole weights tensor and the attention stays as written."""
+
+    def __init__(self, written: bool) -> None:
+        super().__init__()
+        self.written = written
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        B, S, _ = x.shape
+        q, k, v = self.attn.heads(self.ln(x))
+        if self.written:
+            scores = (q @ k.transpose(-2, -1)) / math.sqrt(HD)
+            scores = scores.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf"))
+            a = F.dropout(scores.softmax(-1), p=0.2, training=self.training) @ v
+        else:
+            a = F.scaled_dot_product_attention(q, k, v, dropout_p=0.2, is_causal=True)
+        x = x + self.attn.out(a.transpose(1, 2).reshape(B, S, DIM))
+        return self.lm_loss(x + self.attn(x), ids)
+
+
+class SelectedPositions(LMBase):
+    """Positions chosen by ``torch.where(cond)`` (a data-dependent size): once a crash in SAC's memory plan."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cls = nn.Linear(DIM, CLASSES)
+
+    def forward(self, ids, y):
+        x = self.embed(ids)
+        x = x + self.attn(self.ln(x))
+        picked = torch.where(torch.arange(x.shape[1]) % 5 == 1)[0]
+        return F.cross_entropy(self.cls(x[:, picked].mean(1)), y)
+
+
+BUILDERS.update(
+    {
+        "first-token-broadcast": lambda s: FirstTokenBroadcast(),
+        "embedding-freq-scaled": lambda s: FreqScaledEmbedding(),
+        "complex-output": lambda s: ComplexOutput(),
+        "circular-pad": lambda s: CircularPad(),
+        "attention-dropout": lambda s: AttentionDropout(written=False),
+        "written-dropout": lambda s: AttentionDropout(written=True),
+        "selected-positions": lambda s: SelectedPositions(),
     }
 )
 NAMES = list(BUILDERS)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any
 
 import torch
@@ -19,11 +20,15 @@ def _scalar(out: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
     g = torch.Generator().manual_seed(7)
     total = out[0]
     for o in out[1:]:
-        total = total + (o * torch.randn(o.shape, generator=g, dtype=o.dtype)).sum()
+        real = torch.view_as_real(o) if o.is_complex() else o  # both parts of a complex output carry gradients
+        total = total + (real * torch.randn(real.shape, generator=g, dtype=real.dtype)).sum()
     return total, list(out)
 
 
 def step(model: Any, args: tuple) -> dict[str, Any]:
+    # The same generator state for the reference and the SP run: programs that draw dropout
+    # masks must draw the same ones (the ranks are seeded alike too).
+    torch.manual_seed(11)
     loss, outs = _scalar(model(*args))
     loss.backward()
     params = model._orig_mod if hasattr(model, "_orig_mod") else model
@@ -44,6 +49,8 @@ def differences(got: dict[str, Any], ref: dict[str, Any]) -> list[str]:
     pairs += [(f"grad {n}", got["grads"][n], g) for n, g in ref["grads"].items() if n in got["grads"]]
     pairs += [(f"buffer {n}", got["buffers"][n], b) for n, b in ref["buffers"].items()]
     for what, g, r in pairs:
+        if g.is_complex() and r.is_complex():
+            g, r = torch.view_as_real(g), torch.view_as_real(r)
         if g.shape != r.shape:
             problems.append(f"{what}: shape {tuple(g.shape)} vs {tuple(r.shape)}")
             continue
@@ -78,7 +85,8 @@ def run_probes(
         ref = step(copy.deepcopy(model), args)
         try:
             compiled = autosp.compile(model, backend=backend, variant=variant, **{"fullgraph": True, **(options or {})})
-            with caches_off():
+            with caches_off(), warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", autosp.AttentionNotSharded)
                 got = step(compiled, args)
         except Exception as e:  # noqa: BLE001 - a probe's refusal is a verdict, not a crash of the task
             kind = "refused" if type(e).__module__.startswith("autosp") or "AutoSP" in type(e).__name__ else "error"
@@ -89,6 +97,7 @@ def run_probes(
             "problems": differences(got, ref),
             "fallbacks": [f for r in reports for f in r.fallbacks],
             "sharded": [r.seq_len for r in reports],
+            "whole_attention": [str(w.message) for w in caught if issubclass(w.category, autosp.AttentionNotSharded)],
         }
     return results
 

@@ -52,6 +52,9 @@ def quick_inductor_kernels() -> None:
     import torch._inductor.config as inductor_config
 
     inductor_config.cpp.simdlen = 1  # no vector ISA has 1-bit lanes: Inductor emits scalar loops
+    # Nor probe the vector ISAs: each process would build and dlopen-test three of them in
+    # subprocesses (0.7 s warm, 4 s cold) to find none of 1-bit lanes anyway.
+    inductor_config.cpp.vec_isa_ok = False
 
 
 def _worker(rank: int, world: int, store_path: str, pg_timeout_s: float, inbox: Any, outbox: Any) -> None:

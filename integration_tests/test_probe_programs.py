@@ -4,7 +4,9 @@ The held-out probes of the sharding engine (probe_models.py): complex and interl
 T5's relative-position bias, ALiBi and OPT positions from the padding mask, a strided conv
 front, RWKV's negative pad, statistics over batch and sequence (BatchNorm) or over the sequence
 (LayerNorm on the sequence axis), per-sequence normalised token losses, selections by computed
-indices (argmax, top-k, a Gram matrix over the sequence), in-place updates of
+indices (argmax, top-k, a Gram matrix over the sequence, ``torch.where(cond)``), the first token
+broadcast along the sequence, an embedding whose gradient is scaled by token frequency, a complex
+output, attention dropout inside SDPA or written out, a circular pad, in-place updates of
 activations (once a crash in the backward: ``aten.copy`` has no derivative), several outputs,
 batch 1 and batch == sequence length, soft-target cross-entropy (once a crash: a node that
 lowering left without ``meta["val"]``) and label smoothing (an in-place ``masked_fill_`` from
@@ -32,6 +34,11 @@ COMMON = [
     ("t5-bias", 16, 2),
     ("layernorm-seq", 16, 2),
     ("multi-output", 16, 1),
+    # The third round of held-out probes: a one-position piece broadcast along the sequence, a
+    # complex output, dropout drawn inside SDPA (all three once silently wrong).
+    ("first-token-broadcast", 16, 2),
+    ("complex-output", 16, 2),
+    ("attention-dropout", 16, 2),
 ]
 PROBES = {
     "ulysses": [
@@ -52,6 +59,10 @@ PROBES = {
         ("encoder-decoder", 16, 2),
         ("latent-queries", 16, 2),
         ("chunk-local", 16, 2),
+        ("embedding-freq-scaled", 16, 2),
+        ("written-dropout", 16, 2),
+        ("circular-pad", 16, 2),
+        ("selected-positions", 16, 2),
     ],
     "ring": [*COMMON, ("instancenorm", 16, 2), ("select-topk", 16, 3), ("funnel", 16, 2), ("chunk-local-mask", 16, 2)],
 }
@@ -94,6 +105,12 @@ def test_probes_match_single_device(pool: SPMDPool, variant: str) -> None:
     for where, r in _exact(per_rank, probes, variant):
         # Sequence-parallel, not the whole program run on every rank.
         assert r["sharded"] and all(r["sharded"]), f"{where}: {r['sharded']}"
+        # Only SDPA's own dropout makes an attention call run whole, and the user is told which and why.
+        whole = r["whole_attention"]
+        if where.startswith("('attention-dropout'"):
+            assert len(whole) == 1 and "dropout_p=0.2" in whole[0] and "attention_dropout" in whole[0], whole
+        else:
+            assert not whole, f"{where}: {whole}"
 
 
 @pytest.mark.parametrize("variant", ["ulysses", "ring"])

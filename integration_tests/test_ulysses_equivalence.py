@@ -71,8 +71,9 @@ def test_four_ranks_fewer_kv_heads_than_ranks():
 
 
 def test_two_ranks_inductor_many_gradient_buckets():
-    # 2 KiB buckets: the 64x64 weights go alone, norm weights and biases share buckets.
-    results = check(2, ["llama", "gpt2"], "inductor", {"grad_bucket_mb": 2 / 1024})
+    # 2 KiB buckets: the 64x64 weights go alone, LayerNorm weights and biases share buckets. (One
+    # model: the buckets are laid out the same way for any; Llama under Inductor runs in test_tile_mlp.)
+    results = check(2, ["gpt2"], "inductor", {"grad_bucket_mb": 2 / 1024})
     for name, r in results.items():
         assert 1 < r["collectives"]["grad_all_reduce"] < r["params"], (name, r["collectives"], r["params"])
 

@@ -113,10 +113,6 @@ def test_four_ranks_ulysses():
     ],
 )
 def test_two_ranks_inductor(variant, cases):
+    # At P=4 under Inductor, GPT-2's written attention with its padding mask runs under hybrid (Ulysses
+    # inside pairs of ranks) in test_ring_inductor.py.
     check(2, "inductor", variant, cases)
-
-
-def test_four_ranks_inductor():
-    # Written-out attention rewritten to SDPA, with GPT-2's padding mask, at P=4 under Inductor too.
-    # (Attention kept as written over [batch * heads, S, d] runs at P=4 above and under Inductor at P=2.)
-    check(4, "inductor", "ulysses", [("gpt2", "none", 4, True)])

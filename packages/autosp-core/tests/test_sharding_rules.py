@@ -310,6 +310,15 @@ case(
     shard(1, "uneven"),
 )
 case(aten.embedding.default, "replicated", args(lambda g: randn(g, V, D), lambda g: ints(g, V, B, 3)), R, R)
+# scale_grad_by_freq divides each row's gradient by its count in the whole batch, not in one rank's tokens.
+for lay in ("even", "zigzag"):
+    case(
+        aten.embedding.default,
+        f"scale-grad-by-freq-{lay}",
+        args(lambda g: randn(g, V, D), lambda g: ints(g, 3, B, S), -1, True),
+        R,
+        shard(1, lay),
+    )
 
 # --- elementwise ops with their own entry -------------------------------------------------------------
 
@@ -412,6 +421,25 @@ case(
     rtol=1e-5,
 )
 # A cast to an integer type is not linear: summands must not be truncated one by one.
+# A narrower float rounds each summand before the sum: reduced first. A wider one keeps the partial sum.
+F32 = torch.float32
+case(
+    aten._to_copy.default,
+    "partial-to-bf16",
+    args(lambda g: randn(g, B, D, dtype=F32), dtype=torch.bfloat16),
+    Partial(),
+    expect=(Replicate,),
+    # The harness splits the gradient of a whole output into P shares, each rounded to bf16.
+    atol=2e-2,
+    rtol=2e-2,
+)
+case(
+    aten._to_copy.default,
+    "partial-to-f64",
+    args(lambda g: randn(g, B, D, dtype=F32), dtype=F64),
+    Partial(),
+    expect=(Partial,),
+)
 case(aten._to_copy.default, "partial-to-int64", args(lambda g: 3 * randn(g, B, D), dtype=torch.int64), Partial())
 case(aten._to_copy.default, "partial-int-to-float", args(lambda g: ints(g, S, B, D), dtype=F64), Partial())
 case(aten._to_copy.default, "partial-to-bool", args(lambda g: mask(g, B, D).double(), dtype=torch.bool), Partial())
@@ -838,6 +866,11 @@ case(aten.unflatten.int, "D->heads", args(x3, 2, [2, 2]), shard(1, "uneven"), ex
 case(aten.unflatten.int, "partial", args(lambda g: randn(g, B, 6), 1, [2, 3]), Partial())
 case(aten.expand.default, "partial", args(lambda g: randn(g, 1, D), [B, D]), Partial())
 case(aten.expand.default, "replicated-seq", args(lambda g: randn(g, S, 1), [S, D]), rs(0))
+# A one-position piece of the sequence (x[:, :1], held by one rank) broadcast along it: once a result a
+# factor S too small. The replicated one's axis no longer describes the broadcast dim.
+for lay in ("even", "first_empty"):
+    case(aten.expand.default, f"length-1-shard-{lay}", args(lambda g: randn(g, B, 1, D), [B, S, D]), shard(1, lay))
+case(aten.expand.default, "replicated-length-1-seq", args(lambda g: randn(g, B, 1, D), [B, S, D]), rs(1, length=1))
 case(aten.expand.default, "head-sharded", args(lambda g: randn(g, B, 4, 1, 2), [B, 4, 3, 2]), head_shard(1))
 case(aten.permute.default, "head-sharded", args(lambda g: randn(g, B, 4, S, 2), [0, 2, 1, 3]), head_shard(1))
 case(aten.permute.default, "partial", args(lambda g: randn(g, B, 3, D), [2, 0, 1]), Partial())
@@ -920,6 +953,16 @@ case(
     args(lambda g: randn(g, S, 1), lambda g: randn(g, 1, S)),
     shard(0, "zigzag"),
     shard(1, "uneven"),
+)
+case(
+    aten.add.Tensor,
+    "length-1-shard+whole",
+    args(lambda g: randn(g, B, 1, D), x3),
+    shard(1, "even"),
+    rs(1),
+)
+case(
+    aten.add.Tensor, "length-1-shard+shard", args(lambda g: randn(g, B, 1, D), x3), shard(1, "even"), shard(1, "zigzag")
 )
 case(aten.add.Tensor, "layouts-differ", args(x3, x3), shard(1, "even"), shard(1, "zigzag"), expect=(Shard,))
 case(
@@ -1215,12 +1258,56 @@ def test_an_in_place_write_read_later_reaches_its_readers_or_is_refused() -> Non
     expected = whole.masked_fill(m, 0.0)
     env = {x: SPValue(whole, Replicate(), whole)}
     args = (env[x], SPValue(m, Replicate(), m), 0.0)
-    out = evaluate_in_place(_one_rank(), write, args, {}, [x], env)
+    out = evaluate_in_place(_one_rank(), write, args, {}, [x], env, order)
     assert torch.equal(out.local, expected) and torch.equal(env[x].local, expected)  # the reader sees the write
     piece = SPValue(whole, Shard(SeqAxis(1, S), (((0, S),),)), whole)
     env = {x: piece}
     with pytest.raises(AutoSPError, match="writes in place into x"):
-        evaluate_in_place(_one_rank(), write, (piece, SPValue(m, Replicate(), m), 0.0), {}, [x], env)
+        evaluate_in_place(_one_rank(), write, (piece, SPValue(m, Replicate(), m), 0.0), {}, [x], env, order)
+
+
+def _write_into_view(sibling: bool) -> tuple:
+    """``base = empty; view = base[:, 2:]; (sibling = base[:, :2];) view.copy_(src); read base (and sibling)``."""
+    graph = torch.fx.Graph()
+    base, src = graph.placeholder("base"), graph.placeholder("src")
+    view = graph.call_function(aten.slice.Tensor, (base, 1, 2, S))
+    other = graph.call_function(aten.slice.Tensor, (base, 1, 0, 2)) if sibling else None
+    write = graph.call_function(aten.copy_.default, (view, src))
+    last = graph.call_function(aten.add.Tensor, (base, 1.0))
+    graph.output((last, graph.call_function(aten.mul.Tensor, (other, 2.0))) if sibling else last)
+    return base, src, view, other, write, {n: i for i, n in enumerate(graph.nodes)}
+
+
+def test_a_write_into_a_view_of_whole_values_reaches_the_base_or_is_refused() -> None:
+    """Decompositions (F.pad with mode='circular') fill slices of a new tensor in place: exact when the
+    view shares the whole base's storage on this rank; refused when it may not (a Shard piece, a copy)
+    or when another view of the base, taken before the write, is read after it."""
+    from autosp.errors import AutoSPError
+    from autosp.sharding.context import SPValue
+    from autosp.sharding.propagate import evaluate_in_place, written_and_read_later
+
+    g = torch.Generator().manual_seed(9)
+    src = x3(g)[:, 2:]
+    whole = torch.zeros(B, S, D, dtype=src.dtype)
+    for sibling in (False, True):
+        base, s_node, view, other, write, order = _write_into_view(sibling)
+        assert written_and_read_later(write, order) == [view]
+        b = whole.clone()
+        env = {base: SPValue(b, Replicate(), b), view: SPValue(b[:, 2:], Replicate(), b[:, 2:])}
+        if other is not None:
+            env[other] = SPValue(b[:, :2], Replicate(), b[:, :2])
+        args = (env[view], SPValue(src, Replicate(), src))
+        if sibling:
+            with pytest.raises(AutoSPError, match="writes in place into slice"):
+                evaluate_in_place(_one_rank(), write, args, {}, [view], env, order)
+            continue
+        evaluate_in_place(_one_rank(), write, args, {}, [view], env, order)
+        assert torch.equal(env[base].local[:, 2:], src) and torch.equal(env[base].local[:, :2], whole[:, :2])
+        # The view's local tensor a copy (as a rank's pieces put together are): the write would be lost.
+        b = whole.clone()
+        env = {base: SPValue(b, Replicate(), b), view: SPValue(b[:, 2:].clone(), Replicate(), b[:, 2:])}
+        with pytest.raises(AutoSPError, match="writes in place into slice"):
+            evaluate_in_place(_one_rank(), write, (env[view], args[1]), {}, [view], env, order)
 
 
 def test_every_rule_has_a_case() -> None:

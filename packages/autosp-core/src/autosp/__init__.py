@@ -12,7 +12,7 @@ from autosp.analysis.attention import AttentionSite, AttentionSpec
 from autosp.api import AutoSPBackend, backend, compile, explain
 from autosp.compile_agreement import CompileFailed
 from autosp.errors import AutoSPError, ConfigError, VerificationError
-from autosp.guards import CollectiveFailure, EagerFallback, InputMismatch, NotSequenceParallel
+from autosp.guards import AttentionNotSharded, CollectiveFailure, EagerFallback, InputMismatch, NotSequenceParallel
 from autosp.hardware import HardwareProfile
 from autosp.hookspecs import hookimpl
 from autosp.options import SPOptions
@@ -33,6 +33,7 @@ except (
     __version__ = "0+unknown"
 
 __all__ = [
+    "AttentionNotSharded",
     "AttentionSite",
     "AttentionSpec",
     "AutoSPBackend",

@@ -58,6 +58,10 @@ class NotSequenceParallel(UserWarning):
     """Every graph of the program runs whole on every rank: exact, but nothing is sequence-parallel."""
 
 
+class AttentionNotSharded(UserWarning):
+    """An attention call runs whole on every rank (exact, no memory saving for it); the rest stays SP."""
+
+
 def not_sharded_message(world: int, reports: Sequence[Any]) -> str:
     notes = [n for r in reports for n in r.notes if "runs whole" in n or "no attention" in n]
     return (
@@ -279,6 +283,7 @@ __all__ = [
     "GraphRuns",
     "GuardedCall",
     "InputMismatch",
+    "AttentionNotSharded",
     "NotSequenceParallel",
     "comm_failure_message",
     "guard_compiled",

@@ -144,7 +144,7 @@ def _run(
             chosen = [
                 i
                 for i, (_, v) in enumerate(outputs)
-                if isinstance(v, torch.Tensor) and v.is_floating_point() and v.requires_grad
+                if isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex()) and v.requires_grad
             ]
             selected = (chosen, len(chosen) == 1 and outputs[chosen[0]][1].numel() == 1)
         indices, lone = selected
@@ -154,6 +154,7 @@ def _run(
             if not (isinstance(v, torch.Tensor) and v.requires_grad):
                 problems.append(f"{name} has a gradient path in the reference but not in the SP program")
                 continue
+            v = torch.view_as_real(v) if v.is_complex() else v  # both parts carry gradients
             w = _weight(i, v, lone)
             terms.append(((v * w).sum() if isinstance(w, torch.Tensor) else v * w).to(torch.float64))
         if terms:

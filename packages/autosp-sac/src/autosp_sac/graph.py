@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import fx
+from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 aten = torch.ops.aten
 
@@ -35,8 +36,12 @@ def is_random(node: fx.Node) -> bool:
 
 
 def hint(n: int | torch.SymInt) -> int:
-    """A concrete size: symbolic sizes are costed at the example's value."""
-    return n if isinstance(n, int) else int(n.node.hint)
+    """A concrete size: symbolic sizes are costed at the example's value.
+
+    A data-dependent size (``nonzero``, boolean indexing) has no example value: torch's
+    optimization hint stands in for it, without a guard.
+    """
+    return n if isinstance(n, int) else int(optimization_hint(n))
 
 
 def _tensor_bytes(t: torch.Tensor) -> int:

@@ -340,6 +340,11 @@ def _region_at(sm: torch.fx.Node) -> EagerRegion | None:
 
 def _judge(region: EagerRegion, scores: torch.fx.Node) -> None:
     """Fill ``scale``, or ``why_not`` when SDPA would compute something else."""
+    if region.dropout_p:
+        # Written out, the dropout draws the whole weights tensor (each rank keeps its rows, the
+        # program's mask); SDPA's kernel would draw another mask.
+        region.why_not = f"its dropout (p={region.dropout_p}) would draw other masks inside SDPA"
+        return
     for node in [scores, *region.score_ops]:
         if len(live_users(node)) != 1:
             region.why_not = f"{node.name}: the attention scores are used outside the attention"

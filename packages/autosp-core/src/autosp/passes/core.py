@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 
@@ -11,7 +12,8 @@ from autosp.analysis.eager import EagerRegion, find_eager_regions, region_site, 
 from autosp.analysis.source import user_line
 from autosp.context import CompileContext
 from autosp.errors import AutoSPError
-from autosp.lowering import FLEX, SDPA, insert_leaves, leaves_for_kernels, lower_to_aten
+from autosp.guards import AttentionNotSharded
+from autosp.lowering import FLEX, SDPA, insert_leaves, leaves_for_kernels, lower_to_aten, sdpa_args
 from autosp.passes.fold_attention_batch import FOLD_ATTENTION_BATCH
 from autosp.passes.grad_sync import sync_grads
 from autosp.passes.manager import Pass, Stage
@@ -105,6 +107,27 @@ def _unsupported(node: torch.fx.Node) -> tuple[str, str] | None:
         return "torch.func.vmap", _VMAP_ADVICE
     if node.target is getattr(torch.ops.higher_order, "autograd_function_apply", None):
         return "a custom torch.autograd.Function", _FUNCTION_ADVICE
+    if node.target is torch.nn.functional.embedding:
+        return _unsupported_embedding(dict(zip(_EMBEDDING_ARGS, node.args)) | dict(node.kwargs))
+    return None
+
+
+_EMBEDDING_ARGS = ("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse")
+
+
+def _unsupported_embedding(bound: dict) -> tuple[str, str] | None:
+    if bound.get("max_norm") is not None:
+        # Each rank would renormalise the rows its own tokens look up: the ranks' tables would part.
+        return (
+            "nn.Embedding with max_norm (it renormalises rows of the table in place during the forward)",
+            "Renormalise the rows outside the compiled call (under torch.no_grad(), e.g. after the optimizer "
+            "step), or compile with sp_size=1",
+        )
+    if bound.get("sparse"):
+        return (
+            "nn.Embedding with sparse=True (a sparse gradient)",
+            "Use sparse=False: the SP gradient all-reduce sums dense gradients; or compile with sp_size=1",
+        )
     return None
 
 
@@ -248,9 +271,39 @@ def lower(gm: torch.fx.GraphModule, ctx: CompileContext) -> torch.fx.GraphModule
             f"cross-attention {site.name}: queries of length {hint(site.seq_len)} sharded, keys and values of "
             f"length {hint(site.kv_seq_len)} whole on every rank; each rank attends for its own rows"
         )
+    _leave_dropout_whole(aten_gm, ctx)
     # Sites inside higher-order ops (checkpointed layers) and rewritten ones appear only after lowering.
     _settle_sequence(ctx, dynamo_lengths or _site_lengths(ctx.sites), written_out)
     return aten_gm
+
+
+def _leave_dropout_whole(aten_gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
+    """Attention that draws dropout inside its kernel is no site: it runs whole on every rank.
+
+    No variant can draw the single-device program's masks: the kernel draws one mask over all
+    heads and positions, and a rank running a subset (its heads, its query rows, a ring block)
+    would draw another (the same one for each rank's heads, with the ranks seeded alike). Run
+    whole, from the same generator state, it draws exactly the program's; the rest of the graph
+    stays sequence-parallel.
+    """
+    nodes = {n.name: n for n in aten_gm.graph.nodes}
+    for site in list(ctx.sites):
+        node = nodes.get(site.name)
+        if site.spec.name != SDPA.name or node is None:
+            continue
+        p = sdpa_args(node.args, node.kwargs)["dropout_p"]
+        if not p:
+            continue
+        ctx.sites.remove(site)
+        where = user_line(node)
+        message = (
+            f"attention {site.name}{f' ({where})' if where else ''} draws dropout (dropout_p={p}): computed whole "
+            "on every rank, q, k and v gathered, so that its masks are the single-device program's (exact; no "
+            "memory saving for it). For sequence parallelism set the attention dropout to 0 (Hugging Face: "
+            "attention_dropout / attn_pdrop / attention_probs_dropout_prob = 0.0)"
+        )
+        ctx.report.notes.append(message)
+        warnings.warn(message, AttentionNotSharded, stacklevel=2)
 
 
 def shard(gm: torch.fx.GraphModule, ctx: CompileContext) -> torch.fx.GraphModule:

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.utils import _pytree as pytree
 
 from autosp.analysis.users import live_users
@@ -55,7 +56,8 @@ def _val(node: Any) -> Any:
 
 
 def _hint(n: int | torch.SymInt) -> int:
-    return n if isinstance(n, int) else int(n.node.hint)
+    """A size for chunking decisions; a data-dependent size gets torch's optimization hint, unguarded."""
+    return n if isinstance(n, int) else int(optimization_hint(n))
 
 
 def _epilogue_step(node: fx.Node) -> Step | None:

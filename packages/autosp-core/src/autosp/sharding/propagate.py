@@ -17,6 +17,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
+from autosp.analysis.source import user_line
 from autosp.errors import AutoSPError
 from autosp.sharding import collectives as C
 from autosp.sharding.context import SPContext, SPValue
@@ -83,23 +84,61 @@ def written_and_read_later(node: torch.fx.Node, order: dict[torch.fx.Node, int])
     return written
 
 
+def _is_view(n: torch.fx.Node) -> bool:
+    if not isinstance(n.target, torch._ops.OpOverload):
+        return False
+    returns = n.target._schema.returns
+    return bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
+
+
+def _writes_through(node: torch.fx.Node, chain: list[torch.fx.Node], env: dict, order: dict) -> bool:
+    """Whether a write into ``chain[0]``, a view of whole values, reaches every later reader here too.
+
+    So it does when every value of the chain is whole on every rank and each local tensor is a view
+    of the next one's (the rules ran the view ops on the local tensors), and no other view of them,
+    made before the write and read after it, could be a copy (a rank's pieces put together). Decompositions
+    write so: ``F.pad(mode="circular")`` fills slices of a new tensor.
+    """
+    vals = [env[n] for n in chain]
+    if not all(isinstance(v, SPValue) and isinstance(v.placement, Replicate) for v in vals):
+        return False
+    is_alias_of = torch._C._is_alias_of  # type: ignore[attr-defined]
+    if not all(is_alias_of(a.local, b.local) for a, b in zip(vals, vals[1:])):
+        return False
+    siblings = [u for a in chain for u in a.users if u not in chain and order[u] < order[node] and _is_view(u)]
+    return not any(order[w] > order[node] for u in siblings for w in u.users)
+
+
 def evaluate_in_place(
-    ctx: SPContext, node: torch.fx.Node, args: tuple, kwargs: dict, written: list[torch.fx.Node], env: dict
+    ctx: SPContext,
+    node: torch.fx.Node,
+    args: tuple,
+    kwargs: dict,
+    written: list[torch.fx.Node],
+    env: dict,
+    order: dict[torch.fx.Node, int],
 ) -> Any:
     """An in-place op (lowering leaves some, from decompositions) whose write later nodes read.
 
     A rule would write into this rank's pieces or a gathered copy, not into the value the later
     readers get. A whole (``Replicate``) value that is no view is the very tensor they read, so
-    the op runs whole on it (``fallback``) and the write reaches them; anything else is refused.
+    the op runs whole on it (``fallback``) and the write reaches them, as does a write into a view
+    of whole values that shares their storage here (``_writes_through``); anything else is refused.
     """
     for arg in written:
         v = env[arg]
-        if len(_aliases(arg)) > 1 or (isinstance(v, SPValue) and not isinstance(v.placement, Replicate)):
+        chain = _aliases(arg)
+        if len(chain) > 1 and _writes_through(node, chain, env, order):
+            continue
+        if len(chain) > 1 or (isinstance(v, SPValue) and not isinstance(v.placement, Replicate)):
             where = "a view" if len(_aliases(arg)) > 1 else f"{v.placement} (not whole on every rank)"
+            line = user_line(node)
             raise AutoSPError(
-                f"{node.name} ({node.target}) writes in place into {arg.name}, {where}, which later nodes read: "
-                "the write would reach only this rank's copy. Write the update out of place "
-                "(x = x.masked_fill(m, 0) instead of x.masked_fill_(m, 0))"
+                f"{node.name} ({node.target}) writes in place into {arg.name}, {where}, which later nodes read"
+                + (f" ({line})" if line else "")
+                + ": the write would reach only this rank's copy. Write the update out of place "
+                "(x = x.masked_fill(m, 0) instead of x.masked_fill_(m, 0)); where the write is inside a torch "
+                "function (F.pad with mode='circular'), compute it another way (torch.cat of the wrapped slices)"
             )
     return fallback(ctx, node, args, kwargs)
 
@@ -143,7 +182,7 @@ def finish(ctx: SPContext, v: Any) -> Any:
         + (" -> gathered whole" if not isinstance(v.placement, Replicate) else "")
     )
     if isinstance(v.placement, Replicate):
-        if v.local.is_floating_point():
+        if v.local.is_floating_point() or v.local.is_complex():
             # Gradients of replicated values are kept partial: each rank takes 1/P of the incoming one.
             return C.scale_grad(v.local, 1.0 / ctx.world)
         return v.local
@@ -172,7 +211,7 @@ def shard_graph(
                 args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
                 written = written_and_read_later(node, order)
                 if written:
-                    env[node] = evaluate_in_place(ctx, node, args, kwargs, written, env)
+                    env[node] = evaluate_in_place(ctx, node, args, kwargs, written, env, order)
                 else:
                     env[node] = evaluate(ctx, node, args, kwargs)
             elif node.op == "output":

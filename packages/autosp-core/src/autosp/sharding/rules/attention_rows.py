@@ -77,7 +77,8 @@ def query_rows_attention(ctx: SPContext, node: torch.fx.Node, args: tuple, kwarg
     if not any(isinstance(x, SPValue) and not isinstance(x.placement, Replicate) for x in (q, k, v, mask)):
         return whole_attention(ctx, node, args, kwargs)  # nothing distributed: no collective either
     rows = isinstance(q, SPValue) and isinstance(q.placement, Shard) and q.placement.axis.dim == 2
-    if not rows or q.placement.axis.inner != 1 or a["is_causal"] or not (_whole(k) and _whole(v)):
+    # Dropout: the kernel draws one mask over every row; this rank's rows alone would draw another.
+    if not rows or a["dropout_p"] or q.placement.axis.inner != 1 or a["is_causal"] or not (_whole(k) and _whole(v)):
         return whole_attention(ctx, node, args, kwargs)
     local_mask = _rows_of(ctx, mask, q)
     if mask is not None and local_mask is None:

@@ -139,7 +139,14 @@ def embedding_rule(ctx, node, args, kwargs):
     weight, indices = args[0], args[1]
     if not isinstance(weight.placement, Replicate):
         weight = to_replicate(ctx, weight, f"{node.name}: embedding table is distributed")
-    indices = _trigger(ctx, indices)
+    scale_grad_by_freq = args[3] if len(args) > 3 else kwargs.get("scale_grad_by_freq", False)
+    if scale_grad_by_freq:
+        # The backward divides each row's gradient by how often its index occurs in the whole
+        # batch: a rank counting its own tokens would divide by less. Looked up whole, the result
+        # replicated; the next token-wise op shards it.
+        indices = to_replicate(ctx, indices, f"{node.name}: embedding with scale_grad_by_freq looked up whole")
+    else:
+        indices = _trigger(ctx, indices)
     p = indices.placement
     out = torch.ops.aten.embedding(weight.local, indices.local, *args[2:], **kwargs)
     if isinstance(p, Shard):

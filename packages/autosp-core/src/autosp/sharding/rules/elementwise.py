@@ -40,9 +40,16 @@ _LINEAR = {
 
 
 def _float_to_float(args: tuple, kwargs: dict) -> bool:
+    """A cast that keeps every summand exact: float to a float at least as wide.
+
+    A narrower one (fp32 -> bf16) would round each rank's summand before the sum, where the
+    single-device program rounds the sum: the engine sums first, then casts.
+    """
     source = args[0].gval.dtype
     target = kwargs.get("dtype") or source
-    return source.is_floating_point and target.is_floating_point
+    if not (source.is_floating_point and target.is_floating_point):
+        return False
+    return target == source or torch.promote_types(source, target) == target and target.itemsize > source.itemsize
 
 
 def _partial_ok(op: Any, args: tuple, kwargs: dict) -> bool:
@@ -53,7 +60,7 @@ def _partial_ok(op: Any, args: tuple, kwargs: dict) -> bool:
         # ``partial + 1`` would add the constant once per rank.
         return False
     if op is aten._to_copy.default and not _float_to_float(args, kwargs):
-        # Rounding each summand to an integer (or bool) is not rounding their sum.
+        # Rounding each summand (to an integer, a bool, a narrower float) is not rounding their sum.
         return False
     tensors = values(args)
     partial = [isinstance(v.placement, Partial) for v in tensors]
@@ -74,7 +81,17 @@ def elementwise(ctx: SPContext, node: torch.fx.Node, args: tuple, kwargs: dict) 
         tensors = values((args, kwargs))
     out_val = node.meta["val"]
     out_ndim = out_val.dim() if isinstance(out_val, torch.Tensor) else out_val[0].dim()
-    lead = next((v for v in tensors if isinstance(v.placement, Shard)), None)
+    out_shape = out_val.shape if isinstance(out_val, torch.Tensor) else out_val[0].shape
+    # Only an operand whose sharded dim has the result's extent can lay out the result; a piece of
+    # a length-1 slice broadcast along the sequence (``x[:, :1] + y``) is made whole first.
+    lead = next((v for v in tensors if isinstance(v.placement, Shard) and _spans(v, out_ndim, out_shape)), None)
+    if lead is None and any(isinstance(v.placement, Shard) for v in tensors):
+        args, kwargs = pytree.tree_map(
+            lambda v: to_replicate(ctx, v) if isinstance(v, SPValue) and isinstance(v.placement, Shard) else v,
+            (args, kwargs),
+            is_leaf=lambda x: isinstance(x, SPValue),
+        )
+        tensors = values((args, kwargs))
     if lead is None:
         if any(isinstance(v.placement, HeadShard) for v in tensors):
             return fallback(ctx, node, args, kwargs)
@@ -82,7 +99,6 @@ def elementwise(ctx: SPContext, node: torch.fx.Node, args: tuple, kwargs: dict) 
         return replicated(ctx, node, args, kwargs, axis)
     target: Shard = lead.placement
     out_dim = broadcast_dim(out_ndim, lead.ndim, target.axis.dim)
-    out_shape = out_val.shape if isinstance(out_val, torch.Tensor) else out_val[0].shape
 
     def align(v: Any) -> Any:
         if not isinstance(v, SPValue):
@@ -100,6 +116,12 @@ def elementwise(ctx: SPContext, node: torch.fx.Node, args: tuple, kwargs: dict) 
     out = node.target(*local_args, **local_kwargs)
     placement = Shard(target.axis.at(out_dim), target.ranges)
     return wrap(out, out_val, lambda _i, _g: placement)
+
+
+def _spans(v: SPValue, out_ndim: int, out_shape: Any) -> bool:
+    """Whether ``v``'s sharded dim is as long in the result (not broadcast from length 1)."""
+    dim = v.placement.axis.dim
+    return v.gval.shape[dim] == out_shape[broadcast_dim(out_ndim, v.ndim, dim)]
 
 
 def _elementwise_axis(tensors: list[SPValue], out_ndim: int, out_val: Any) -> SeqAxis | None:

@@ -66,11 +66,21 @@ def reshape_rule(ctx, node, args, kwargs):
 @rule(aten.expand.default, accepts=(Partial,))
 def expand_rule(ctx, node, args, kwargs):
     v, sizes = args[0], list(args[1])
-    p = v.placement
     shift = len(sizes) - v.ndim
+    out_shape = node.meta["val"].shape
+
+    def broadcast(dim: int) -> bool:
+        return v.gval.shape[dim] != out_shape[dim + shift]
+
+    p = v.placement
+    if isinstance(p, Shard) and broadcast(p.axis.dim):
+        # A sequence piece of length 1 (``x[:, :1]``) copied along that dim: every position of the
+        # result is that one element, which only its owner holds. Gather it (one element long).
+        v = to_replicate(ctx, v)
+        args, p = (v, *args[1:]), v.placement
     if isinstance(p, Replicate):
-        axis = p.axis.at(p.axis.dim + shift) if p.axis else None
-        return replicated(ctx, node, args, kwargs, axis)
+        keep = p.axis is not None and not broadcast(p.axis.dim)
+        return replicated(ctx, node, args, kwargs, p.axis.at(p.axis.dim + shift) if keep else None)
     if isinstance(p, Shard):
         dim = p.axis.dim + shift
         sizes[dim] = v.local.shape[p.axis.dim]
