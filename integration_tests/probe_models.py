@@ -1103,8 +1103,28 @@ class SelectedPositions(LMBase):
         return F.cross_entropy(self.cls(x[:, picked].mean(1)), y)
 
 
+class EosPool(LMBase):
+    """BART's classifier: the hidden state at the last ``<eos>`` of each row, picked by a boolean mask
+    (``x[ids == eos].view(B, -1, D)[:, -1]``), a size that depends on the data (once an internal crash:
+    the reshape read its size from the lowering's trace)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cls = nn.Linear(DIM, CLASSES)
+
+    def forward(self, ids, y):
+        ids = ids.clone()
+        ids[:, -1] = 2  # every row ends with <eos> (token 2), as BART's tokenizer makes it
+        ids[:, ids.shape[1] // 3] = 2
+        x = self.embed(ids)
+        x = x + self.attn(self.ln(x))
+        pooled = x[ids == 2, :].view(x.shape[0], -1, DIM)[:, -1, :]
+        return F.cross_entropy(self.cls(pooled), y)
+
+
 BUILDERS.update(
     {
+        "eos-pool": lambda s: EosPool(),
         "first-token-broadcast": lambda s: FirstTokenBroadcast(),
         "embedding-freq-scaled": lambda s: FreqScaledEmbedding(),
         "complex-output": lambda s: ComplexOutput(),

@@ -63,6 +63,7 @@ PROBES = {
         ("written-dropout", 16, 2),
         ("circular-pad", 16, 2),
         ("selected-positions", 16, 2),
+        ("eos-pool", 16, 2),
     ],
     "ring": [*COMMON, ("instancenorm", 16, 2), ("select-topk", 16, 3), ("funnel", 16, 2), ("chunk-local-mask", 16, 2)],
 }

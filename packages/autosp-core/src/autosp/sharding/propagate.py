@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import has_free_unbacked_symbols
 from torch.utils import _pytree as pytree
 
 from autosp.analysis.source import user_line
@@ -143,6 +144,11 @@ def evaluate_in_place(
     return fallback(ctx, node, args, kwargs)
 
 
+def _data_dependent(val: Any) -> bool:
+    shapes = [t.shape for t in pytree.tree_leaves(val) if isinstance(t, torch.Tensor)]
+    return any(has_free_unbacked_symbols(shape) for shape in shapes)
+
+
 def evaluate(ctx: SPContext, node: torch.fx.Node, args: tuple, kwargs: dict) -> Any:
     """This rank's value of ``node``: the attention rule at attention sites, else the op's sharding rule."""
     if node.target is operator.getitem:
@@ -151,6 +157,11 @@ def evaluate(ctx: SPContext, node: torch.fx.Node, args: tuple, kwargs: dict) -> 
     if site is not None:
         return ctx.attention_rule(ctx, node, site, args, kwargs)
     if "val" not in node.meta:
+        return fallback(ctx, node, args, kwargs) if values((args, kwargs)) else node.target(*args, **kwargs)
+    if _data_dependent(node.meta["val"]):
+        # A size that depends on the data (boolean indexing, nonzero: BART pools its last <eos> so)
+        # exists in the lowering's trace only, and rules read sizes from ``meta["val"]``. Run whole,
+        # from the arguments of this trace.
         return fallback(ctx, node, args, kwargs) if values((args, kwargs)) else node.target(*args, **kwargs)
     fn = ctx.rules.get(node.target)
     if fn is None and is_elementwise(node.target):
