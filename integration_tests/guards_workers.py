@@ -12,9 +12,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from cases import build
 
 import autosp
+from autosp.testing.models import Config, LlamaLike
+
+
+def _llama() -> torch.nn.Module:
+    """One layer: the guards act on calls and graphs, not on depth, and each fault compiles anew."""
+    torch.manual_seed(0)
+    return LlamaLike(Config(layers=1))
 
 
 def _ids(batch: int, seq: int, seed: int = 0) -> torch.Tensor:
@@ -65,11 +71,11 @@ def input_faults(rank: int, world: int) -> dict[str, Any]:
 
     # More lengths than the recompile limit (lowered to 2 to keep the test short: same mechanism).
     with torch._dynamo.config.patch(recompile_limit=2):
-        compiled = autosp.compile(build("llama"), backend="eager")
+        compiled = autosp.compile(_llama(), backend="eager")
         out["limit"] = [attempt(lambda s=s: compiled(_ids(2, s), _ids(2, s))) for s in (16, 32, 48)]
     out["fail_flag_after"] = torch._dynamo.config.fail_on_recompile_limit_hit
 
-    compiled = autosp.compile(build("llama"), backend="eager")
+    compiled = autosp.compile(_llama(), backend="eager")
     ids = _ids(2, 64) if rank == 0 else _ids(1, 128)
     out["shapes"] = attempt(lambda: compiled(ids, labels=ids))
     ids = _ids(2, 64) if rank == 0 else _ids(2, 32)
@@ -79,19 +85,19 @@ def input_faults(rank: int, world: int) -> dict[str, Any]:
     # Different tokens, same shapes (a data loader sharded over the SP ranks): the default check
     # compares the contents of integer tensors.
     out["tokens_default"] = attempt(lambda: compiled(_ids(2, 64, seed=rank), _ids(2, 64)))
-    shapes_only = autosp.compile(build("llama"), backend="eager", check_inputs="shapes")
+    shapes_only = autosp.compile(_llama(), backend="eager", check_inputs="shapes")
     out["tokens_shapes_mode"] = attempt(lambda: shapes_only(_ids(2, 64, seed=rank), _ids(2, 64)))
 
     # Floating-point inputs (embeddings) of the same shape: compared by sample by default, whole with "hash".
     emb = torch.randn(2, 16, 8, generator=torch.Generator().manual_seed(rank))
     out["floats_default"] = attempt(lambda: _float_model()(emb))
     out["floats_hash"] = attempt(lambda: _float_model(check_inputs="hash")(emb))
-    hashed = autosp.compile(build("llama"), backend="eager", check_inputs="hash")
+    hashed = autosp.compile(_llama(), backend="eager", check_inputs="hash")
     out["same_hash"] = attempt(lambda: hashed(_ids(2, 64), _ids(2, 64)))
 
     # Ranks whose weights differ (rank 1's model perturbed, as an unseeded init or a checkpoint
     # loaded on rank 0 only would leave it): the SP program would run and match no model.
-    drifted = build("llama")
+    drifted = _llama()
     with torch.no_grad():
         drifted.blocks[0].q.weight.add_(1e-3 * rank)
     out["params_differ"] = attempt(lambda: autosp.compile(drifted, backend="eager")(_ids(2, 32), _ids(2, 32)))
@@ -141,14 +147,14 @@ def input_faults(rank: int, world: int) -> dict[str, Any]:
 
         PassManager.run = fails_on_rank_1
         try:
-            compiled = autosp.compile(build("llama"), backend="eager")
+            compiled = autosp.compile(_llama(), backend="eager")
             out[f"compile_fails_{stage.value}"] = attempt(lambda: compiled(_ids(2, 32), _ids(2, 32)).backward())
         finally:
             PassManager.run = run_passes
     out["after_compile_failure"] = attempt(lambda: compiled(_ids(2, 32), _ids(2, 32)))
 
     # autosp.backend used directly: the check runs inside the compiled graph.
-    direct = torch.compile(build("llama"), backend=autosp.backend(backend="eager"))
+    direct = torch.compile(_llama(), backend=autosp.backend(backend="eager"))
     ids = _ids(2, 64) if rank == 0 else _ids(1, 128)
     out["backend_shapes"] = attempt(lambda: direct(ids, ids))
     return out
@@ -172,7 +178,7 @@ def rank_raises(rank: int, world: int, timeout: float) -> dict[str, Any]:
     ids = _ids(2, 32)
 
     def case(name: str, check_inputs: str, before_backward: bool) -> None:
-        compiled = autosp.compile(build("llama"), backend="eager", timeout=timeout, check_inputs=check_inputs)
+        compiled = autosp.compile(_llama(), backend="eager", timeout=timeout, check_inputs=check_inputs)
         compiled(ids, ids).backward()  # one good step (rank 1 compiles slower: see below)
         loss = compiled(ids, ids) if before_backward else None
         if rank == 1:
@@ -219,9 +225,9 @@ def groups_after_destroy(rank: int, world: int) -> dict[str, Any]:
     ids = _ids(2, 64)
     user_group = dist.new_group()
     programs = {
-        "hybrid": autosp.compile(build("llama"), backend="eager", variant="hybrid"),
-        "dp_x_sp": autosp.compile(build("llama"), backend="eager", sp_size=2),
-        "user_group": autosp.compile(build("llama"), backend="eager", group=user_group),
+        "hybrid": autosp.compile(_llama(), backend="eager", variant="hybrid"),
+        "dp_x_sp": autosp.compile(_llama(), backend="eager", sp_size=2),
+        "user_group": autosp.compile(_llama(), backend="eager", group=user_group),
     }
     for compiled in programs.values():
         compiled(ids, ids).backward()
