@@ -278,12 +278,12 @@ def guard_compiled(compiled: Any, model: Any, call: GuardedCall) -> Any:
 
 
 __all__ = [
+    "AttentionNotSharded",
     "CollectiveFailure",
     "EagerFallback",
     "GraphRuns",
     "GuardedCall",
     "InputMismatch",
-    "AttentionNotSharded",
     "NotSequenceParallel",
     "comm_failure_message",
     "guard_compiled",

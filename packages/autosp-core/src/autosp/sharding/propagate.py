@@ -138,8 +138,8 @@ def evaluate_in_place(
                 f"{node.name} ({node.target}) writes in place into {arg.name}, {where}, which later nodes read"
                 + (f" ({line})" if line else "")
                 + ": the write would reach only this rank's copy. Write the update out of place "
-                "(x = x.masked_fill(m, 0) instead of x.masked_fill_(m, 0)); where the write is inside a torch "
-                "function (F.pad with mode='circular'), compute it another way (torch.cat of the wrapped slices)"
+                "(x = x.masked_fill(m, 0) instead of x.masked_fill_(m, 0), torch.cat of the pieces instead of "
+                "writes into slices); a write inside a torch function at that line is its decomposition's"
             )
     return fallback(ctx, node, args, kwargs)
 
