@@ -13,8 +13,26 @@ from autosp.testing.models import Config, LlamaLike
 SHAPES = {"h4": (4, 2, 64), "h2": (2, 1, 64), "h3": (3, 1, 48)}
 
 
-def build(name: str) -> LlamaLike:
+class MHALM(torch.nn.Module):
+    """``nn.MultiheadAttention`` (3 heads, causal): its SDPA call appears only once the graph is lowered."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(96, 48)
+        self.mha = torch.nn.MultiheadAttention(48, 3, batch_first=True)
+        self.head = torch.nn.Linear(48, 96)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        causal = torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool).triu(1)
+        x = x + self.mha(x, x, x, attn_mask=causal, need_weights=False)[0]
+        return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
+def build(name: str) -> torch.nn.Module:
     torch.manual_seed(0)
+    if name == "mha3":
+        return MHALM()
     heads, kv, dim = SHAPES[name]
     return LlamaLike(Config(heads=heads, kv_heads=kv, dim=dim, layers=1, hidden=64))
 

@@ -5,8 +5,10 @@ Module-level functions, since spawned processes import them by name.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -40,6 +42,26 @@ class _PooledClassifier(torch.nn.Module):
         q, k, v = self.qkv(x).view(*ids.shape, 3, 2, 8).permute(2, 0, 3, 1, 4)
         x = x + torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2)
         return torch.nn.functional.cross_entropy(self.head(self.drop(x.mean(1))), y)
+
+
+class _Steered(torch.nn.Module):
+    """One SDPA layer whose output is scaled by ``scale`` (an attribute, or a settings object's field)."""
+
+    def __init__(self, scale: float, graph_break: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.scale, self.graph_break = scale, graph_break
+        self.embed, self.qkv, self.head = torch.nn.Embedding(96, 16), torch.nn.Linear(16, 48), torch.nn.Linear(16, 8)
+
+    def forward(self, ids: torch.Tensor, settings: Any = None) -> torch.Tensor:
+        x = self.embed(ids)
+        q, k, v = self.qkv(x).view(*ids.shape, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        x = x + torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2)
+        x = x * (self.scale if settings is None else settings.scale)
+        if self.graph_break:
+            torch._dynamo.graph_break()
+            return self.head(x).square().mean()
+        return self.head(x).square().mean()
 
 
 def attempt(fn: Callable[[], Any]) -> dict[str, Any]:
@@ -152,6 +174,20 @@ def input_faults(rank: int, world: int) -> dict[str, Any]:
         finally:
             PassManager.run = run_passes
     out["after_compile_failure"] = attempt(lambda: compiled(_ids(2, 32), _ids(2, 32)))
+
+    # Ranks whose programs differ where no input shows it: a module attribute steering the program
+    # (once a silently wrong loss), or a settings object passed in (once compared by type only).
+    steered = _Steered(scale=1.0 + rank)
+    out["program_differs"] = attempt(lambda: autosp.compile(steered, backend="eager")(_ids(2, 32)))
+    settings = types.SimpleNamespace(scale=1.0 + rank)
+    out["settings_differ"] = attempt(lambda: autosp.compile(_Steered(1.0), backend="eager")(_ids(2, 32), settings))
+    # Called under no_grad on one rank only: Dynamo would compile another graph there (once a hang).
+    same = autosp.compile(_Steered(1.0), backend="eager")
+    with torch.no_grad() if rank == 1 else contextlib.nullcontext():
+        out["grad_mode_differs"] = attempt(lambda: same(_ids(2, 32)))
+    # outputs="sharded" with a graph break after an output: a clear error (once Dynamo's own, on a DTensor).
+    broken = autosp.compile(_Steered(1.0, graph_break=True), backend="eager", outputs="sharded")
+    out["sharded_across_break"] = attempt(lambda: broken(_ids(2, 32)))
 
     # autosp.backend used directly: the check runs inside the compiled graph.
     direct = torch.compile(_llama(), backend=autosp.backend(backend="eager"))

@@ -28,9 +28,14 @@ def check(world: int, cases: list[tuple[str, str | None]]) -> dict:
 
 
 def test_auto_two_ranks():
-    results = check(2, [("h4", None), ("h3", None)])
+    results = check(2, [("h4", None), ("h3", None), ("mha3", None)])
     assert results["h3@None"]["variant"].startswith("ring")  # 3 heads: only the ring takes them
     assert any("left out: ulysses: attention" in n for n in results["h3@None"]["notes"])
+    # nn.MultiheadAttention's SDPA call is a site only once lowered: auto chose again there (it once
+    # refused with Ulysses' error, which auto must never raise).
+    mha = results["mha3@None"]
+    assert mha["variant"].startswith("ring"), mha["variant"]
+    assert any("refuses a site found after lowering" in n for n in mha["notes"]), mha["notes"]
 
 
 def test_auto_four_ranks_with_heads_ulysses_cannot_split(tmp_path):

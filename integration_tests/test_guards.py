@@ -85,11 +85,15 @@ def test_mismatched_tokens_are_caught_by_default(faults):
 
 
 def test_backend_used_directly_checks_inside_the_graph(faults):
+    # The ranks traced graphs of other shapes: the compile agreement sees other programs, before the
+    # check inside the graph runs, and names the inputs that differ.
     for r in faults:
         _error(
             r["backend_shapes"],
-            "InputMismatch",
-            r"input_ids: rank 0: tensor \[2, 64\] int64 cpu; rank 1: tensor \[1, 128\] int64 cpu",
+            "ProgramMismatch",
+            r"the first difference: \"graph inputs: \[.*'\[2, 64\] torch.int64 False'.*on global ranks \[0\] against",
+            r"'\[1, 128\] torch.int64 False'.*on global ranks \[1\]",
+            r"called with the same inputs",
         )
 
 
@@ -180,3 +184,37 @@ def test_groups_are_not_kept_alive_past_destroy_process_group():
         assert r["groups"] >= 4 and r["alive"] == 0, (rank, r)  # hybrid's 2, dp x sp's 1, the user's 1
         for name in ("hybrid", "dp_x_sp", "user_group"):
             _error(r[name], "ConfigError", r"was destroyed \(torch.distributed.destroy_process_group\)", "compile")
+
+
+def test_programs_that_differ_between_ranks_are_refused(faults):
+    # A module attribute (baked into the graph by Dynamo) that differs per rank: each rank would run
+    # its own program, the collectives of one paired with the other's (once a silently wrong loss).
+    messages = {
+        _error(
+            r["program_differs"],
+            "ProgramMismatch",
+            r"compiled different programs for graph \[\d+/\d+\] \(global ranks \[0\]; global ranks \[1\]\)",
+            r"the first difference: '.*1\.0.*' on global ranks \[0\] against '.*2\.0.*' on global ranks \[1\]",
+            r"module attributes and train\(\)/eval\(\) mode",
+        )
+        for r in faults
+    }
+    assert len(messages) == 1
+    assert all(r["program_differs"]["seconds"] < FAST_S for r in faults)
+    # The same through a settings object passed in: its attributes are compared with the inputs.
+    for r in faults:
+        _error(
+            r["settings_differ"],
+            "InputMismatch",
+            r"settings\.scale: rank 0: float 1\.0; rank 1: float 2\.0",
+        )
+        # One rank under no_grad: the grad mode is compared too (Dynamo compiles another graph for it).
+        _error(
+            r["grad_mode_differs"],
+            "InputMismatch",
+            r"\(grad mode\): rank 0: enabled True; rank 1: enabled False",
+            r"the same torch\.no_grad\(\)/autocast context",
+        )
+        _error(
+            r["sharded_across_break"], "AutoSPError", r"outputs='sharded' an output of one graph crossed a graph break"
+        )

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from autosp.compile_agreement import CompileFailed, agree_on_compile
+from autosp.compile_agreement import CompileFailed, ProgramMismatch, agree_on_compile
 from autosp.sharding.testing.threads import collectives_issued, simulate
 
 
@@ -26,7 +26,7 @@ def test_every_rank_returns_when_every_rank_compiled(world: int) -> None:
 
     for rank, (got, issued) in enumerate(simulate(rank_fn, world)):
         assert got == ("ok", f"graph of rank {rank}")
-        assert issued == ["all_reduce[(1,)]"]  # one scalar, nothing gathered
+        assert issued == ["all_reduce[(3,)]"]  # failed? and the program digest, nothing gathered
 
 
 def test_a_failure_on_one_rank_is_raised_on_every_rank() -> None:
@@ -47,3 +47,28 @@ def test_a_failure_on_one_rank_is_raised_on_every_rank() -> None:
         assert "global rank 1: RuntimeError: rank 1's schedule check;" in message
         assert "global rank 2: RuntimeError: rank 2's schedule check" in message
         assert "more detail" not in message and "global rank 0:" not in message
+
+
+def test_ranks_that_compiled_different_programs_are_refused_on_every_rank() -> None:
+    """A module attribute, train/eval or an option that differs per rank makes another graph: refused."""
+
+    def rank_fn(rank: int, _: str) -> tuple[tuple[str, str], list[str]]:
+        program = "view(2, 16, 4, 8)\nsdpa(is_causal=True)" if rank != 2 else "view(2, 16, 4, 8)\nsdpa(is_causal=False)"
+        got = _outcome(lambda: agree_on_compile(lambda: "compiled", dist.group.WORLD, "graph [0/0]", program))
+        return got, collectives_issued()
+
+    results = simulate(rank_fn, 3)
+    for (kind, message), issued in results:
+        assert kind == ProgramMismatch.__name__, message
+        assert "different programs for graph [0/0] (global ranks [0, 1]; global ranks [2])" in message
+        assert "'sdpa(is_causal=True)' on global ranks [0, 1] against 'sdpa(is_causal=False)'" in message
+        assert "train()/eval()" in message
+        assert issued[0] == "all_reduce[(3,)]"
+    assert len({m for (_, m), _ in results}) == 1  # the same error on every rank
+
+
+def test_the_same_program_agrees() -> None:
+    def rank_fn(rank: int, _: str) -> tuple[str, str]:
+        return _outcome(lambda: agree_on_compile(lambda: rank, dist.group.WORLD, "graph [1/0]", "same code"))
+
+    assert simulate(rank_fn, 2) == [("ok", "0"), ("ok", "1")]

@@ -6,6 +6,7 @@ The multi-rank behaviour (the check's collective, timeouts) is in integration_te
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import re
 from datetime import timedelta
@@ -112,6 +113,58 @@ def test_inputs_of_a_module_and_of_a_call_that_does_not_bind():
     assert [leaf.path for leaf in leaves] == ["args[0]", "args[1]", "k"]
 
 
+class Mode(enum.Enum):
+    FAST = 1
+    EXACT = 2
+
+
+class Settings:
+    def __init__(self, temperature: float) -> None:
+        self.temperature, self.mode = temperature, Mode.EXACT
+
+
+def test_settings_objects_enums_and_layouts_are_compared():
+    """What Dynamo guards on must differ in the digest too: a config object's attributes, an enum's
+    member, a tensor's strides (ranks that differ compile other programs; once silently wrong)."""
+    import types
+
+    def metas(*args: object) -> list[tuple[str, str]]:
+        return [(leaf.path, leaf.meta) for leaf in flatten_inputs(args, {}, None)]
+
+    assert metas(Settings(0.5)) == [
+        ("args[0]", "object Settings"),
+        ("args[0].mode", "Mode.EXACT"),
+        ("args[0].temperature", "float 0.5"),
+    ]
+    assert metas(Settings(0.5)) != metas(Settings(0.7))
+    assert metas(types.SimpleNamespace(k=3)) != metas(types.SimpleNamespace(k=4))
+    assert metas(Mode.FAST) == [("args[0]", "Mode.FAST")]
+    x = torch.zeros(4, 2)
+    assert metas(x.t()) == [("args[0]", "tensor [2, 4] float32 cpu strides [1, 2]")]
+    assert metas(x.t().contiguous()) == [("args[0]", "tensor [2, 4] float32 cpu")]
+    # Modules and functions stay compared by type: their attributes are the model's, not the batch's.
+    assert metas(TinyAttention(), len) == [
+        ("args[0]", "object TinyAttention"),
+        ("args[1]", "object builtin_function_or_method"),
+    ]
+
+
+def test_the_program_state_is_compared() -> None:
+    from autosp.input_check import program_state
+
+    model = TinyAttention()
+    train = program_state(model)
+    with torch.no_grad():
+        assert program_state(model)[0].meta == "enabled False" != train[0].meta
+    model.eval()
+    assert program_state(model)[-1].meta != train[-1].meta
+    model.train()
+    model.o.weight.requires_grad_(False)
+    assert program_state(model)[-1].meta != train[-1].meta
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert ("(autocast cpu)", "dtype torch.bfloat16") in [(leaf.path, leaf.meta) for leaf in program_state(model)]
+
+
 def test_dict_order_does_not_matter():
     a = flatten_inputs(({"x": torch.zeros(1), "y": 2},), {}, None)
     b = flatten_inputs(({"y": 2, "x": torch.zeros(1)},), {}, None)
@@ -190,6 +243,7 @@ def test_recompile_message_has_numbers_and_what_to_do():
 def test_comm_failures_are_told_apart():
     assert is_comm_failure(RuntimeError("[gloo/unbound_buffer.cc:78] Timed out waiting 3000ms for recv operation"))
     assert is_comm_failure(RuntimeError("Connection closed by peer [127.0.0.1]:1234"))
+    assert is_comm_failure(RuntimeError("Application timeout caused pair closure"))
     assert is_comm_failure(dist.DistBackendError("NCCL watchdog"))
     assert not is_comm_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
     assert not is_comm_failure(ValueError("Timed out"))

@@ -10,7 +10,7 @@ from importlib import metadata as _metadata
 
 from autosp.analysis.attention import AttentionSite, AttentionSpec
 from autosp.api import AutoSPBackend, backend, compile, explain
-from autosp.compile_agreement import CompileFailed
+from autosp.compile_agreement import CompileFailed, ProgramMismatch
 from autosp.errors import AutoSPError, ConfigError, VerificationError
 from autosp.guards import AttentionNotSharded, CollectiveFailure, EagerFallback, InputMismatch, NotSequenceParallel
 from autosp.hardware import HardwareProfile
@@ -46,6 +46,7 @@ __all__ = [
     "InputMismatch",
     "NotSequenceParallel",
     "ParameterMismatch",
+    "ProgramMismatch",
     "RandomStateMismatch",
     "Pass",
     "Report",

@@ -8,8 +8,10 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypedDict, cast
 
 import torch
+import torch.distributed as dist
 
-from autosp.compile_agreement import agree_on_compile
+from autosp.compile_agreement import agree_on_compile, program_text
+from autosp.errors import ConfigError
 from autosp.guards import GraphRuns, GuardedCall, guard_compiled, guard_graph
 from autosp.hardware import load_profile
 from autosp.hardware_select import HardwareOption
@@ -112,6 +114,9 @@ class AutoSPBackend:
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         from autosp.compiler import _is_param, compile_graph
 
+        if self.world == 1:
+            _refuse_late_process_group(self.options)
+
         def compile_it() -> Callable[..., Any]:
             return compile_graph(gm, example_inputs, self.options, self.registry, self.group, self.world, self.reports)
 
@@ -124,7 +129,7 @@ class AutoSPBackend:
             what = f"graph [{compile_id}]" if compile_id is not None else "a graph"
             with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
                 agreeing = self.sync_group if self.sync_group is not None else self.group
-                fn = agree_on_compile(compile_it, agreeing, what)
+                fn = agree_on_compile(compile_it, agreeing, what, program_text(gm, example_inputs, self.options))
             report = self.reports[-1]  # compile_graph's, appended as it began
             if report.random_ops and self.input_check is not None:
                 fn = refuse_divergent_rng(fn, report.random_ops, self.input_check.rng_split, what)
@@ -290,6 +295,20 @@ def explain(model: Callable[..., Any], *example_inputs: Any, **options: Unpack[C
     compiled = compile(model, **options)
     compiled(*example_inputs)
     return "\n\n".join(str(r) for r in compiled.autosp_reports)
+
+
+def _refuse_late_process_group(options: SPOptions) -> None:
+    """``autosp.compile`` before ``init_process_group`` chose one device; called after it, that would
+    silently run the whole sequence on every rank of a group the user meant to share it."""
+    if options.sp_size is not None or options.group is not None:
+        return  # sp_size=1 is one device on purpose
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ConfigError(
+            "autosp.compile ran before torch.distributed.init_process_group, so it compiled for one device, "
+            f"but the process group now has {dist.get_world_size()} ranks: every rank would compute the whole "
+            "sequence. Call autosp.compile after init_process_group, or pass sp_size=1 to compile for one "
+            "device on purpose."
+        )
 
 
 def dynamo_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:

@@ -7,6 +7,12 @@ timeout: a hang, its cause only in another process's log. So every compile of an
 with one all-reduce of "did it fail" over the SP ranks, and if any rank failed, every rank raises:
 the failed ones their own error, the others ``CompileFailed`` with the failed ranks' first lines.
 
+The same all-reduce compares a digest of what each rank compiles: the Dynamo graph (the same on
+every rank, which traced the same full-length inputs) and the options. Ranks whose programs differ
+(a module attribute that steers control flow, one rank in ``eval()`` with dropout, another head
+count or causal flag, other ``autosp.compile`` options) would pair collectives of different programs:
+a loss that matches no single-device run, or a hang. Every rank raises ``ProgramMismatch`` instead.
+
 The all-reduce runs on the compile-sync group when ``timeout=`` made one (the SP ranks with the
 world's timeout), so a rank that compiles slower never trips the SP group's short timeout; that
 is also why the backward compiles with the forward under SP (``force_non_lazy_backward_lowering``):
@@ -15,15 +21,19 @@ its compile, and its failures, then happen here too, not in a backward the peers
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+import re
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
+from autosp.analysis.attention import hint, hints
 from autosp.errors import AutoSPError
 from autosp.guards import CollectiveFailure, comm_failure_message, is_comm_failure
 from autosp.input_check import collective_device
+from autosp.rng_check import digest_bytes
 
 T = TypeVar("T")
 
@@ -32,29 +42,55 @@ class CompileFailed(AutoSPError):
     """Another SP rank failed to compile a graph this rank compiled; no rank runs it."""
 
 
+class ProgramMismatch(AutoSPError):
+    """The SP ranks compiled different programs (graphs or options) for the same call."""
+
+
+_ADDRESS = re.compile(r"0x[0-9a-fA-F]+")
+_UNCOMPARED = ("group", "timeout", "hardware")  # process objects, and settings that cannot part the programs
+_MASK = (1 << 62) - 1  # a digest d and -d both fit int64, so one MAX all-reduce gives min and max
+
+
+def program_text(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: Any) -> str:
+    """What the SP ranks must agree on for one compile: the Dynamo graph, its inputs' shapes, the options."""
+    inputs = [
+        f"{hints(x.shape)} {x.dtype} {x.requires_grad}" if isinstance(x, torch.Tensor) else repr(hint(x))
+        for x in example_inputs
+    ]
+    opts = {f.name: getattr(options, f.name) for f in dataclasses.fields(options) if f.name not in _UNCOMPARED}
+    # The inputs first: when they differ (torch.compile with autosp.backend checks them only inside the
+    # graph, after Dynamo compiled), that is the first difference the message shows.
+    return _ADDRESS.sub("0x..", f"graph inputs: {inputs}\noptions: {opts!r}\n{gm.code}")
+
+
 def _first_line(e: BaseException) -> str:
     lines = str(e).strip().splitlines()
     return f"{type(e).__name__}: {lines[0] if lines else ''}"
 
 
-def agree_on_compile(compile_fn: Callable[[], T], group: Any, what: str) -> T:
-    """``compile_fn()`` on this rank; it returns only if it returned on every rank of ``group``."""
+def agree_on_compile(compile_fn: Callable[[], T], group: Any, what: str, program: str = "") -> T:
+    """``compile_fn()`` on this rank; it returns only if it returned on every rank of ``group``, and
+    every rank compiled the same ``program`` (``program_text``)."""
     error: Exception | None = None
     result: Any = None
     try:
         result = compile_fn()
     except Exception as e:  # a KeyboardInterrupt is not a compile failure: it ends this rank
         error = e
-    failed = torch.tensor([int(error is not None)], dtype=torch.int64, device=collective_device(group))
+    digest = digest_bytes(program.encode()) & _MASK
+    agreed = torch.tensor([int(error is not None), digest, -digest], dtype=torch.int64, device=collective_device(group))
     try:
-        dist.all_reduce(failed, group=group)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
     except Exception as e:
         if is_comm_failure(e):
             raise CollectiveFailure(
                 comm_failure_message(f"waiting for every SP rank to compile {what}", group, e)
             ) from (error or e)
         raise
-    if int(failed.item()) == 0:
+    failed, highest, lowest = (int(v) for v in agreed.tolist())
+    if failed == 0 and highest != -lowest:
+        _refuse_other_programs(group, what, program, error)
+    if failed == 0:
         return result
     lines: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(lines, None if error is None else _first_line(error), group=group)
@@ -68,4 +104,27 @@ def agree_on_compile(compile_fn: Callable[[], T], group: Any, what: str) -> T:
     )
 
 
-__all__ = ["CompileFailed", "agree_on_compile"]
+def _refuse_other_programs(group: Any, what: str, program: str, error: Exception | None) -> None:
+    """Every rank saw the digests differ: name which ranks compiled which program, and the first difference."""
+    texts: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(texts, program, group=group)
+    ranks = dist.get_process_group_ranks(group)
+    variants: dict[str, list[int]] = {}
+    for rank, text in zip(ranks, texts):
+        variants.setdefault(text, []).append(rank)
+    first, *others = list(variants)
+    a, b = first.splitlines(), others[0].splitlines()
+    line = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    show = lambda lines: lines[line].strip()[:400] if line < len(lines) else "(nothing)"  # noqa: E731
+    groups = "; ".join(f"global ranks {rs}" for rs in variants.values())
+    raise ProgramMismatch(
+        f"the SP ranks compiled different programs for {what} ({groups}); the first difference: "
+        f"{show(a)!r} on global ranks {variants[first]} against {show(b)!r} on global ranks {variants[others[0]]}. "
+        "Run them, and they would pair collectives of different programs: a result that matches no "
+        "single-device run, or a hang. Every SP rank must run the same model code in the same state: the same "
+        "module attributes and train()/eval() mode, the same torch.no_grad()/autocast context and the same "
+        "autosp.compile options, called with the same inputs."
+    ) from error
+
+
+__all__ = ["CompileFailed", "ProgramMismatch", "agree_on_compile", "program_text"]

@@ -32,13 +32,24 @@ from autosp.input_check import (
     InputMismatchError,
     Leaf,
     flatten_inputs,
+    program_state,
     signature_of,
     tensor_meta,
 )
 from autosp.options import group_timeout
+from autosp.sharded_outputs import SHARDED_ACROSS_BREAK
 from autosp.weak_group import WeakGroup
 
-_COMM_FAILURES = ("Timed out", "timed out", "Connection closed by peer", "Connection reset by peer", "Broken pipe")
+# gloo's words for a peer that is gone or late; "pair closure" is what a group says on every later
+# collective once one of its operations timed out (the group is dead: compile the program again).
+_COMM_FAILURES = (
+    "Timed out",
+    "timed out",
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "Application timeout caused pair closure",
+)
 _MAX_SEEN = 12
 
 
@@ -188,13 +199,14 @@ class GuardedCall:
         self.reports = reports
         self.warned = False
         self.signature = signature_of(model)
+        self.model = model
         self.seen: list[str] = []
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         leaves = flatten_inputs(args, kwargs, self.signature)
         if self.check is not None:
-            run_check(self.check, leaves)
+            run_check(self.check, [*leaves, *program_state(self.model)])
         before = self.runs.count
         try:
             with _hard_dynamo_failures():
@@ -206,6 +218,10 @@ class GuardedCall:
         except Exception as e:
             if is_comm_failure(e):
                 raise CollectiveFailure(comm_failure_message("a collective of the SP program", self.group, e)) from e
+            if "DTensor" in str(e) and any("outputs='sharded'" in o for r in self.reports for o in r.outputs):
+                # Dynamo traced code after a graph break with a DTensor from the graph before it: it
+                # fails there, before any AutoSP graph could refuse the DTensor input itself.
+                raise AutoSPError(SHARDED_ACROSS_BREAK + f" ({type(e).__name__}: {str(e).splitlines()[0]})") from e
             raise
         if self.runs.count == before:
             raise EagerFallback(

@@ -11,6 +11,7 @@ other ranks in the SP program's first collective, paired with the wrong one.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import inspect
 import math
 from collections.abc import Mapping, Sequence
@@ -82,12 +83,16 @@ class Leaf:
 
 
 def tensor_meta(t: torch.Tensor) -> str:
-    # Device type only: SP ranks on one host legitimately use cuda:0 and cuda:1.
+    # Device type only: SP ranks on one host legitimately use cuda:0 and cuda:1. Strides when not
+    # contiguous: Dynamo guards on them, so ranks with other layouts would compile other graphs.
     grad = " requires_grad" if t.requires_grad else ""
-    return f"tensor {list(t.shape)} {str(t.dtype).removeprefix('torch.')} {t.device.type}{grad}"
+    strides = "" if t.is_contiguous() else f" strides {list(t.stride())}"
+    return f"tensor {list(t.shape)} {str(t.dtype).removeprefix('torch.')} {t.device.type}{grad}{strides}"
 
 
 def _scalar_meta(value: Any) -> str | None:
+    if isinstance(value, enum.Enum):
+        return f"{type(value).__qualname__}.{value.name}"
     if value is None or isinstance(value, (bool, int, float, str)):
         return f"{type(value).__name__} {value!r}"
     if isinstance(value, torch.dtype):
@@ -121,8 +126,44 @@ def _walk(value: Any, path: str, out: list[Leaf], depth: int) -> None:
             for f in dataclasses.fields(value):
                 _walk(getattr(value, f.name), f"{path}.{f.name}", out, depth + 1)
             return
+        attributes = _plain_attributes(value)
+        if attributes is not None:
+            # A config object (SimpleNamespace, a class of settings): Dynamo reads and guards on its
+            # attributes, so ranks holding other values would run other programs.
+            out.append(Leaf(path, f"object {type(value).__qualname__}"))
+            for key in sorted(attributes):
+                _walk(attributes[key], f"{path}.{key}", out, depth + 1)
+            return
     # Anything else is compared by type only (its repr may hold addresses that differ per process).
     out.append(Leaf(path, f"object {type(value).__qualname__}"))
+
+
+_MAX_ATTRIBUTES = 64
+
+
+def _plain_attributes(value: Any) -> dict[str, Any] | None:
+    """The instance attributes of a small plain object; None for modules, functions, classes and large ones."""
+    if isinstance(value, (torch.nn.Module, type)) or callable(value):
+        return None
+    attributes = getattr(value, "__dict__", None)
+    if not isinstance(attributes, dict) or len(attributes) > _MAX_ATTRIBUTES:
+        return None
+    return {k: v for k, v in attributes.items() if isinstance(k, str) and not k.startswith("__")}
+
+
+def program_state(model: Any) -> list[Leaf]:
+    """What Dynamo guards on besides the inputs, which ranks could differ in: the grad mode, autocast,
+    and the model's train()/eval() flags and trainable parameters (one rank in eval() with dropout on
+    would otherwise run another program)."""
+    leaves = [Leaf("(grad mode)", f"enabled {torch.is_grad_enabled()}")]
+    for device in ("cpu", "cuda"):
+        if torch.is_autocast_enabled(device):
+            leaves.append(Leaf(f"(autocast {device})", f"dtype {torch.get_autocast_dtype(device)}"))
+    if isinstance(model, torch.nn.Module):
+        modes = bytes(m.training for m in model.modules())
+        trainable = bytes(p.requires_grad for p in model.parameters())
+        leaves.append(Leaf("(model)", f"train() flags {digest_bytes(modes)}, requires_grad {digest_bytes(trainable)}"))
+    return leaves
 
 
 def signature_of(fn: Any) -> inspect.Signature | None:
@@ -235,11 +276,19 @@ def mismatch_message(gathered: list[list[tuple[str, str, int | None]]], ranks: l
             )
     if not lines:  # digests differed but the descriptions agree: a digest collision, or a rank's own bug
         lines.append("  (the inputs' digests differ, their descriptions agree)")
+    state = any(line.startswith("  (") for line in lines)
     return (
         "the ranks of the SP group were called with different inputs (global ranks):\n" + "\n".join(lines) + "\n"
         "Every rank of an SP group must call the compiled model with the same full-length batch: AutoSP splits "
         "the sequence itself. Give all ranks of one SP group the same batch (shard the data loader over the "
         "data-parallel group only, and seed it the same way on the SP ranks)."
+        + (
+            " And call it in the same state on every SP rank: the same torch.no_grad()/autocast context, the "
+            "same train()/eval() mode and the same frozen parameters (Dynamo would compile another program "
+            "on the ranks that differ)."
+            if state
+            else ""
+        )
     )
 
 
@@ -312,6 +361,7 @@ __all__ = [
     "fingerprint",
     "flatten_inputs",
     "mismatch_message",
+    "program_state",
     "signature_of",
     "spread_sample",
     "tensor_meta",

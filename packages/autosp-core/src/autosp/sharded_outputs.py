@@ -63,10 +63,13 @@ def refuse_dtensor_inputs(example_inputs: Sequence[Any]) -> None:
     from autosp.errors import AutoSPError
 
     if any(isinstance(x, DTensor) for x in example_inputs):
-        raise AutoSPError(
-            "a compiled graph got a DTensor input: with outputs='sharded' an output of one graph crossed a graph "
-            "break into the next; remove the break (torch._dynamo.explain shows where) or use outputs='whole'"
-        )
+        raise AutoSPError("a compiled graph got a DTensor input: " + SHARDED_ACROSS_BREAK)
 
 
-__all__ = ["as_dtensor", "refuse_dtensor_inputs", "wrap_outputs"]
+SHARDED_ACROSS_BREAK = (
+    "with outputs='sharded' an output of one graph crossed a graph break into the code after it; remove the "
+    "break (torch._dynamo.explain shows where) or use outputs='whole'"
+)
+
+
+__all__ = ["SHARDED_ACROSS_BREAK", "as_dtensor", "refuse_dtensor_inputs", "wrap_outputs"]

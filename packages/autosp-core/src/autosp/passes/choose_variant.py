@@ -47,6 +47,7 @@ class Choice:
     chosen: cost.Estimate
     candidates: tuple[cost.Estimate, ...]
     excluded: tuple[str, ...]
+    asked: str = AUTO
 
 
 def _accepts(variant: SPVariant, ctx: CompileContext) -> str | None:
@@ -111,8 +112,23 @@ def needs_choice(ctx: CompileContext) -> bool:
 
 
 def choose_variant(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
-    asked = ctx.options.variant
-    choice = choose(ctx, only=None if asked == AUTO else "hybrid")
+    _choose(ctx, ctx.options.variant)
+
+
+def choose_again(ctx: CompileContext) -> None:
+    """After lowering, where attention Dynamo kept inside a kernel call (``nn.MultiheadAttention``)
+    became a site too: choose again if the variant chosen from the Dynamo graph refuses one."""
+    choice = ctx.get_state(Choice)
+    if choice is None:
+        return
+    why = _accepts(ctx.variant, ctx)
+    if why is not None:
+        ctx.report.notes.append(f"{choice.chosen.label} refuses a site found after lowering ({why}): choosing again")
+        _choose(ctx, choice.asked)
+
+
+def _choose(ctx: CompileContext, asked: str) -> None:
+    choice = dataclasses.replace(choose(ctx, only=None if asked == AUTO else "hybrid"), asked=asked)
     best = choice.chosen
     variant_options = {**ctx.options.variant_options, **best.options}
     try:
@@ -140,4 +156,14 @@ CHOOSE_VARIANT = Pass(
     doc="variant='auto' (and hybrid without degrees): pick the variant and degrees from the sites and the hardware",
 )
 
-__all__ = ["AUTO", "AUTO_VARIANT", "CHOOSE_VARIANT", "Choice", "candidates", "choose", "choose_variant", "needs_choice"]
+__all__ = [
+    "AUTO",
+    "AUTO_VARIANT",
+    "CHOOSE_VARIANT",
+    "Choice",
+    "candidates",
+    "choose",
+    "choose_again",
+    "choose_variant",
+    "needs_choice",
+]

@@ -14,6 +14,7 @@ from autosp.context import CompileContext
 from autosp.errors import AutoSPError
 from autosp.guards import AttentionNotSharded
 from autosp.lowering import FLEX, SDPA, insert_leaves, leaves_for_kernels, lower_to_aten, sdpa_args
+from autosp.passes.choose_variant import choose_again
 from autosp.passes.fold_attention_batch import FOLD_ATTENTION_BATCH
 from autosp.passes.grad_sync import sync_grads
 from autosp.passes.manager import Pass, Stage
@@ -177,6 +178,8 @@ def _settle_sequence(ctx: CompileContext, lengths: list, written_out: list[Eager
     # With a symbolic length these comparisons become guards: a length that breaks them recompiles.
     if any(n != seq for n in lengths):
         seq = _longest(ctx, lengths)
+    if isinstance(seq, int) and seq == 0:
+        raise AutoSPError("sequence length 0: there is nothing to split over the SP ranks; skip empty batches")
     if seq % ctx.world:
         # A symbolic length prints as its symbol (s70): say this call's length, which the user knows.
         raise AutoSPError(
@@ -272,6 +275,7 @@ def lower(gm: torch.fx.GraphModule, ctx: CompileContext) -> torch.fx.GraphModule
             f"length {hint(site.kv_seq_len)} whole on every rank; each rank attends for its own rows"
         )
     _leave_dropout_whole(aten_gm, ctx)
+    choose_again(ctx)
     # Sites inside higher-order ops (checkpointed layers) and rewritten ones appear only after lowering.
     _settle_sequence(ctx, dynamo_lengths or _site_lengths(ctx.sites), written_out)
     return aten_gm
