@@ -181,6 +181,13 @@ def input_faults(rank: int, world: int) -> dict[str, Any]:
     out["program_differs"] = attempt(lambda: autosp.compile(steered, backend="eager")(_ids(2, 32)))
     settings = types.SimpleNamespace(scale=1.0 + rank)
     out["settings_differ"] = attempt(lambda: autosp.compile(_Steered(1.0), backend="eager")(_ids(2, 32), settings))
+    # The attribute changed on one rank after a first call: Dynamo recompiles there only, while the
+    # other rank runs the first graph (once: that rank waited in a collective until the timeout).
+    changing = _Steered(1.0)
+    compiled = autosp.compile(changing, backend="eager")
+    out["changed_first"] = attempt(lambda: compiled(_ids(2, 32)))
+    changing.scale = 1.0 + rank
+    out["changed_later"] = attempt(lambda: compiled(_ids(2, 32)))
     # Called under no_grad on one rank only: Dynamo would compile another graph there (once a hang).
     same = autosp.compile(_Steered(1.0), backend="eager")
     with torch.no_grad() if rank == 1 else contextlib.nullcontext():

@@ -201,6 +201,12 @@ def test_programs_that_differ_between_ranks_are_refused(faults):
     }
     assert len(messages) == 1
     assert all(r["program_differs"]["seconds"] < FAST_S for r in faults)
+    # Changed on one rank after the first call: the rank that recompiles and the one that runs the
+    # first graph meet in the same exchange, and both refuse at once.
+    assert {r["changed_first"]["loss"] for r in faults} == {faults[0]["changed_first"]["loss"]}
+    for r in faults:
+        _error(r["changed_later"], "ProgramMismatch", r"global ranks \[0\]; global ranks \[1\]")
+        assert r["changed_later"]["seconds"] < FAST_S, r["changed_later"]
     # The same through a settings object passed in: its attributes are compared with the inputs.
     for r in faults:
         _error(

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, TypedDict, cast
 import torch
 import torch.distributed as dist
 
-from autosp.compile_agreement import agree_on_compile, program_text
+from autosp.compile_agreement import SameProgramOnEveryRun, agree_on_compile, program_text
 from autosp.errors import ConfigError
 from autosp.guards import GraphRuns, GuardedCall, guard_compiled, guard_graph
 from autosp.hardware import load_profile
@@ -127,9 +127,10 @@ class AutoSPBackend:
             # fails to compile fails here, agreed with its peers (see autosp.compile_agreement).
             compile_id = torch._guards.CompileContext.current_compile_id()
             what = f"graph [{compile_id}]" if compile_id is not None else "a graph"
+            program = program_text(gm, example_inputs, self.options)
+            agreeing = self.sync_group if self.sync_group is not None else self.group
             with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
-                agreeing = self.sync_group if self.sync_group is not None else self.group
-                fn = agree_on_compile(compile_it, agreeing, what, program_text(gm, example_inputs, self.options))
+                fn = agree_on_compile(compile_it, agreeing, what, program)
             report = self.reports[-1]  # compile_graph's, appended as it began
             if report.random_ops and self.input_check is not None:
                 fn = refuse_divergent_rng(fn, report.random_ops, self.input_check.rng_split, what)
@@ -139,6 +140,10 @@ class AutoSPBackend:
             fn = check_state_on_first_run(fn, names, params, self.param_check)
         if self.check_graphs and self.input_check is not None:
             fn = guard_graph(fn, names, params, self.input_check)
+        if self.world > 1:
+            # Outermost: the first collective of every run, so a rank that compiled anew pairs with it.
+            # On the SP group: a run's collectives keep to timeout= (the world's may be 30 minutes).
+            fn = SameProgramOnEveryRun(fn, self.group, what, program)
         return self.runs.wrap(fn)
 
 

@@ -22,6 +22,7 @@ its compile, and its failures, then happen here too, not in a backward the peers
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -34,6 +35,7 @@ from autosp.errors import AutoSPError
 from autosp.guards import CollectiveFailure, comm_failure_message, is_comm_failure
 from autosp.input_check import collective_device
 from autosp.rng_check import digest_bytes
+from autosp.weak_group import WeakGroup
 
 T = TypeVar("T")
 
@@ -77,19 +79,7 @@ def agree_on_compile(compile_fn: Callable[[], T], group: Any, what: str, program
         result = compile_fn()
     except Exception as e:  # a KeyboardInterrupt is not a compile failure: it ends this rank
         error = e
-    digest = digest_bytes(program.encode()) & _MASK
-    agreed = torch.tensor([int(error is not None), digest, -digest], dtype=torch.int64, device=collective_device(group))
-    try:
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
-    except Exception as e:
-        if is_comm_failure(e):
-            raise CollectiveFailure(
-                comm_failure_message(f"waiting for every SP rank to compile {what}", group, e)
-            ) from (error or e)
-        raise
-    failed, highest, lowest = (int(v) for v in agreed.tolist())
-    if failed == 0 and highest != -lowest:
-        _refuse_other_programs(group, what, program, error)
+    failed = _exchange(group, f"waiting for every SP rank to compile {what}", what, program, error)
     if failed == 0:
         return result
     lines: list[Any] = [None] * dist.get_world_size(group)
@@ -102,6 +92,44 @@ def agree_on_compile(compile_fn: Callable[[], T], group: Any, what: str, program
         f"{what} compiled on this rank (global rank {dist.get_rank()}) but not on every SP rank ({failures}), "
         "so no rank runs it: its collectives need every SP rank. The failed rank's log holds the whole error."
     )
+
+
+def _exchange(group: Any, waiting: str, what: str, program: str, error: Exception | None) -> int:
+    """One MAX all-reduce of (failed?, digest, -digest); raises ``ProgramMismatch`` when digests differ."""
+    digest = digest_bytes(program.encode()) & _MASK
+    agreed = torch.tensor([int(error is not None), digest, -digest], dtype=torch.int64, device=collective_device(group))
+    try:
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+    except Exception as e:
+        if is_comm_failure(e):
+            raise CollectiveFailure(comm_failure_message(waiting, group, e)) from (error or e)
+        raise
+    failed, highest, lowest = (int(v) for v in agreed.tolist())
+    if failed == 0 and highest != -lowest:
+        _refuse_other_programs(group, what, program, error)
+    return failed
+
+
+class SameProgramOnEveryRun:
+    """A compiled graph that first exchanges its program's digest, in the compile agreement's collective.
+
+    When Dynamo's guards fail on some ranks only (an attribute changed on one rank after the first
+    call), those ranks compile and wait in the agreement while the others would run the old graph:
+    this exchange, on the SP group, pairs with the agreement's (which runs there too unless
+    ``timeout=`` made a compile-sync group), so every rank sees the programs differ and raises,
+    instead of the ones running waiting in a collective until the timeout.
+    """
+
+    group = WeakGroup()
+
+    def __init__(self, fn: Callable[..., Any], group: Any, what: str, program: str) -> None:
+        self.fn, self.group, self.what, self.program = fn, group, what, program
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args: Any) -> Any:
+        waiting = f"a collective of the SP program (the check that every SP rank runs {self.what})"
+        _exchange(self.group, waiting, self.what, self.program, None)
+        return self.fn(*args)
 
 
 def _refuse_other_programs(group: Any, what: str, program: str, error: Exception | None) -> None:
@@ -127,4 +155,4 @@ def _refuse_other_programs(group: Any, what: str, program: str, error: Exception
     ) from error
 
 
-__all__ = ["CompileFailed", "ProgramMismatch", "agree_on_compile", "program_text"]
+__all__ = ["CompileFailed", "ProgramMismatch", "agree_on_compile", "SameProgramOnEveryRun", "program_text"]
