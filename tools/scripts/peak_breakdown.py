@@ -26,7 +26,12 @@ from typing import Any
 MiB = 2**20
 
 
-def _rank(rank: int, args: argparse.Namespace, method: str, inductor: dict, store: str, out: str) -> None:
+def _rank(
+    rank: int, args: argparse.Namespace, method: str, inductor: dict, store: str, out: str, tree: str | None
+) -> None:
+    if tree:
+        # A spawned child starts from its parent's sys.path, not from PYTHONPATH: put the tree first here.
+        sys.path[:0] = _path_of(tree).split(os.pathsep)
     import torch
     import torch.distributed as dist
 
@@ -62,23 +67,14 @@ def _path_of(tree: str) -> str:
 def run(args: argparse.Namespace, method: str, tree: str | None, inductor: dict | None = None) -> list[dict[str, Any]]:
     import torch.multiprocessing as mp
 
-    saved = os.environ.get("PYTHONPATH")
-    if tree:
-        os.environ["PYTHONPATH"] = _path_of(tree) + (os.pathsep + saved if saved else "")
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            mp.start_processes(
-                _rank,
-                args=(args, method, inductor or {}, os.path.join(tmp, "store"), tmp),
-                nprocs=args.sp,
-                start_method="spawn",
-            )
-            return [pickle.loads(Path(tmp, f"{r}.pkl").read_bytes()) for r in range(args.sp)]
-    finally:
-        if saved is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = saved
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(
+            _rank,
+            args=(args, method, inductor or {}, os.path.join(tmp, "store"), tmp, tree),
+            nprocs=args.sp,
+            start_method="spawn",
+        )
+        return [pickle.loads(Path(tmp, f"{r}.pkl").read_bytes()) for r in range(args.sp)]
 
 
 def _settings(text: str) -> dict[str, Any]:

@@ -80,14 +80,18 @@ def _empty_like_opt(t: Tensor | None, like: Tensor) -> Tensor:
     return t.new_empty(t.shape) if t is not None else like.new_empty((0,))
 
 
-def _act_backward(kind: str, grad: Tensor, z: Tensor, a: Tensor) -> Tensor:
-    """The derivative single-device autograd applies (the same aten backward ops)."""
+def _act_backward(kind: str, grad: Tensor, z: Tensor) -> Tensor:
+    """The derivative single-device autograd applies (the same aten backward ops).
+
+    relu's is ``threshold_backward`` on its output there, here on its input: ``relu(z) > 0``
+    exactly where ``z > 0``, so the result is the same and the output need not stay live.
+    """
     aten = torch.ops.aten
     if kind == "silu":
         return aten.silu_backward(grad, z)
     if kind in ("gelu", "gelu_tanh"):
         return aten.gelu_backward(grad, z, approximate="tanh" if kind == "gelu_tanh" else "none")
-    return aten.threshold_backward(grad, a, 0)
+    return aten.threshold_backward(grad, z, 0)
 
 
 @torch.library.custom_op("autosp::tiled_mlp_backward", mutates_args=())
@@ -112,25 +116,35 @@ def tiled_mlp_backward(
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
     for lo in _rows(x.shape[0], chunk):
         xc, g = x[lo : lo + chunk], grad[lo : lo + chunk]
+        # The order, the in-place products and the dels keep at most four [rows, ffn] values live
+        # at once (three when not gated): this loop is where a tiled program's backward peaks.
         z = _linear(xc, w_in, b_in)
         if w_gate is None:
             a = _act(act, z)
             d_w_out += g.t() @ a
-            dz = _act_backward(act, g @ w_out, z, a)
+            del a
+            dz = _act_backward(act, g @ w_out, z)
+            del z
             dx[lo : lo + chunk] = dz @ w_in
         else:
             zg = xc @ w_gate.t()
             a = _act(act, zg)
             d_w_out += g.t() @ (a * z)
             dh = g @ w_out
-            dz, dzg = dh * a, _act_backward(act, dh * z, zg, a)
-            dx[lo : lo + chunk] = torch.addmm(dz @ w_in, dzg, w_gate)
+            z.mul_(dh)  # dh * z, the activation's gradient, in z's buffer
+            dz = a.mul_(dh)  # dh * a, in a's buffer
+            del dh, a
+            dzg = _act_backward(act, z, zg)
+            del z, zg
             d_w_gate += dzg.t() @ xc
+            dx[lo : lo + chunk] = torch.addmm(dz @ w_in, dzg, w_gate)
+            del dzg
         d_w_in += dz.t() @ xc
         if b_in is not None:
             d_b_in += dz.sum(0)
         if b_out is not None:
             d_b_out += g.sum(0)
+        del dz  # before the next chunk's values
     return (
         dx,
         d_w_in.to(w_in.dtype),
