@@ -325,6 +325,43 @@ def test_guarded_module_keeps_its_type_and_hooks():
     torch._dynamo.reset()
 
 
+
+@pytest.mark.parametrize("kind", ["module", "function"])
+def test_a_program_called_inside_another_torch_compile_runs_as_compiled(kind: str) -> None:
+    """Dynamo would inline the model into the outer graph, under the outer backend: without AutoSP,
+    silently whole on every rank. The call breaks the outer graph and runs its own program."""
+    from autosp.guards import guard_compiled
+
+    model = TinyAttention()
+    runs = GraphRuns()
+    torch._dynamo.reset()
+    if kind == "module":
+        compiled = torch.compile(model, backend=lambda gm, ex: runs.wrap(gm.forward))
+        inner = guard_compiled(compiled, model, GuardedCall(compiled.forward, model, None, None, runs))
+    else:
+        compiled = torch.compile(model.forward, backend=lambda gm, ex: runs.wrap(gm.forward))
+        inner = GuardedCall(compiled, model, None, None, runs)
+    outer_graphs = []
+
+    def outer_backend(gm, ex):
+        outer_graphs.append(gm)
+        return gm.forward
+
+    outer = torch.compile(lambda x: inner(x.sin()).cos(), backend=outer_backend)
+    x = torch.randn(1, 4, 16, requires_grad=True)
+    out = outer(x)
+    assert runs.count == 1, "the inner program did not run: the outer graph inlined the model"
+    ref_x = x.detach().clone().requires_grad_()
+    ref = model(ref_x.sin()).cos()
+    torch.testing.assert_close(out, ref)
+    out.sum().backward()
+    ref.sum().backward()
+    torch.testing.assert_close(x.grad, ref_x.grad)
+    assert outer_graphs and not any(
+        "linear" in str(n.target) for gm in outer_graphs for n in gm.graph.nodes
+    ), "the model's ops were traced into the outer graph"
+    torch._dynamo.reset()
+
 # --- find_attention's messages print numbers, also for a symbolic length ---------------------------
 
 

@@ -182,6 +182,11 @@ class GuardedCall:
     """
 
     group = WeakGroup()
+    # A compiled program called inside another torch.compile: Dynamo would inline the model (an
+    # OptimizedModule's _orig_mod, or this call's body) under the outer backend, without AutoSP and
+    # silently whole on every rank. Disabled, Dynamo breaks the graph at the call and runs it here.
+    _torchdynamo_disable = True
+    _torchdynamo_disable_msg = "an autosp.compile'd program runs as AutoSP compiled it, not inlined into another graph"
 
     def __init__(
         self,
@@ -203,6 +208,7 @@ class GuardedCall:
         self.seen: list[str] = []
         functools.update_wrapper(self, fn)
 
+    @torch._dynamo.disable(reason=_torchdynamo_disable_msg)
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         leaves = flatten_inputs(args, kwargs, self.signature)
         if self.check is not None:
