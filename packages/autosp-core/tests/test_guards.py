@@ -325,7 +325,6 @@ def test_guarded_module_keeps_its_type_and_hooks():
     torch._dynamo.reset()
 
 
-
 @pytest.mark.parametrize("kind", ["module", "function"])
 def test_a_program_called_inside_another_torch_compile_runs_as_compiled(kind: str) -> None:
     """Dynamo would inline the model into the outer graph, under the outer backend: without AutoSP,
@@ -357,10 +356,11 @@ def test_a_program_called_inside_another_torch_compile_runs_as_compiled(kind: st
     out.sum().backward()
     ref.sum().backward()
     torch.testing.assert_close(x.grad, ref_x.grad)
-    assert outer_graphs and not any(
-        "linear" in str(n.target) for gm in outer_graphs for n in gm.graph.nodes
-    ), "the model's ops were traced into the outer graph"
+    assert outer_graphs and not any("linear" in str(n.target) for gm in outer_graphs for n in gm.graph.nodes), (
+        "the model's ops were traced into the outer graph"
+    )
     torch._dynamo.reset()
+
 
 # --- find_attention's messages print numbers, also for a symbolic length ---------------------------
 
