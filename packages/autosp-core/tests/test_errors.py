@@ -85,6 +85,15 @@ def test_sp_size_needs_a_process_group():
         autosp.backend(sp_size=2)
 
 
+
+def test_deepcopy_of_a_compiled_model_says_what_to_copy():
+    import copy
+
+    compiled = autosp.compile(TinyAttention(), sp_size=1, backend="eager")
+    with pytest.raises(ConfigError, match=r"deepcopy.*not supported.*copy.deepcopy\(compiled._orig_mod\)"):
+        copy.deepcopy(compiled)
+    copy.deepcopy(compiled._orig_mod)  # the model itself copies
+
 def test_unknown_and_uninstalled_variants(fresh_registry, monkeypatch):
     from autosp.registry import reset_registry
 

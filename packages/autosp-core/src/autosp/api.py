@@ -111,6 +111,16 @@ class AutoSPBackend:
             ParameterCheck(self.group) if self.world > 1 and options.check_inputs in ("tokens", "hash") else None
         )
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> AutoSPBackend:
+        # copy.deepcopy of a compiled module rebuilds it from its model and Dynamo's context, this
+        # backend in it: the copy would run without the call's checks, sharing nothing that makes
+        # it the same program on every rank. Say what works instead.
+        raise ConfigError(
+            "copy.deepcopy of an AutoSP-compiled model is not supported: deep-copy the model and compile the "
+            "copy (copy.deepcopy(compiled._orig_mod), then autosp.compile with the same options), or deep-copy "
+            "the model before compiling it."
+        )
+
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         from autosp.compiler import _is_param, compile_graph
 
