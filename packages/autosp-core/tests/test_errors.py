@@ -85,7 +85,6 @@ def test_sp_size_needs_a_process_group():
         autosp.backend(sp_size=2)
 
 
-
 def test_deepcopy_of_a_compiled_model_says_what_to_copy():
     import copy
 
@@ -93,6 +92,7 @@ def test_deepcopy_of_a_compiled_model_says_what_to_copy():
     with pytest.raises(ConfigError, match=r"deepcopy.*not supported.*copy.deepcopy\(compiled._orig_mod\)"):
         copy.deepcopy(compiled)
     copy.deepcopy(compiled._orig_mod)  # the model itself copies
+
 
 def test_unknown_and_uninstalled_variants(fresh_registry, monkeypatch):
     from autosp.registry import reset_registry
