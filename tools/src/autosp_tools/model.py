@@ -36,6 +36,8 @@ class ModelConfig:
 PRESETS: dict[str, tuple[int, int, int, int, int]] = {
     "tiny": (64, 2, 4, 2, 128),
     "small": (128, 4, 4, 2, 384),
+    # The model of the peak and step-time targets (tools/scripts/peak_breakdown.py's default).
+    "small-wide": (256, 4, 8, 2, 688),
     "base": (256, 6, 8, 4, 768),
     "medium": (512, 8, 8, 4, 1536),
 }
