@@ -19,3 +19,39 @@ def deepspeed_group_sizes(rank: int, world: int, sp: int, stage: int) -> dict[st
         "sequence_parallel_size": engine.sequence_parallel_size,
         "zero_group": dist.get_world_size(engine.optimizer.dp_process_group),
     }
+
+
+def ddp_inside(rank: int, world: int) -> dict[str, object]:
+    """``autosp.compile(DDP(model))`` with several gradient buckets, against single-device eager; and
+    ``torch.compile(DDP(model), backend=autosp.backend())``, which Dynamo's DDPOptimizer would split."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import autosp
+    from autosp.testing.models import Config, LlamaLike
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return LlamaLike(Config(dim=256, hidden=1024))  # 1 MiB matrices: several 1 MiB buckets
+
+    ids = torch.randint(0, Config().vocab, (2, 16), generator=torch.Generator().manual_seed(3))
+    ref = build()
+    ref_loss = ref(ids, ids)
+    ref_loss.backward()
+    model = build()
+    ddp = DDP(model, bucket_cap_mb=1)  # DDP over the SP ranks: the same gradients on both
+    compiled = autosp.compile(ddp, backend="aot_eager", sac=False)
+    loss = compiled(ids, ids)
+    loss.backward()
+    worst = max((p.grad - r.grad).abs().max().item() for p, r in zip(model.parameters(), ref.parameters()))
+    refused = ""
+    try:
+        torch._dynamo.reset()
+        torch.compile(DDP(build(), bucket_cap_mb=1), backend=autosp.backend(backend="aot_eager"))(ids, ids)
+    except Exception as e:  # noqa: BLE001 - the test reads the message
+        refused = f"{type(e).__name__}: {e}"
+    return {
+        "loss": (loss.item(), ref_loss.item()),
+        "worst_grad": worst,
+        "refused": refused,
+    }

@@ -82,3 +82,14 @@ def test_deepspeed_data_parallel_group_is_dp_only(monkeypatch: pytest.MonkeyPatc
 def test_bad_compositions_fail_before_starting(flags: list[str], message: str) -> None:
     with pytest.raises(TrainConfigError, match=message):
         run(TINY + flags)
+
+
+def test_autosp_compile_of_a_ddp_model_is_traced_whole() -> None:
+    """Dynamo's DDPOptimizer would cut the graph at DDP's buckets (here several) and feed DDP's
+    reducer a fake gradient; autosp.compile traces the DDP model whole, and the backend used
+    directly refuses the split with a clear error."""
+    for r in run_spmd(compositions_workers.ddp_inside, 2, fresh=True):
+        loss, ref = r["loss"]
+        assert abs(loss - ref) <= 1e-5 * abs(ref), r
+        assert r["worst_grad"] <= 1e-5, r
+        assert "ConfigError" in r["refused"] and "DDPOptimizer" in r["refused"], r["refused"]

@@ -80,3 +80,10 @@ def test_autosp_verify_checks_the_first_call_only(ranks):
         assert grads.keys() == ref_grads.keys()
         for name, g in ref_grads.items():
             torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_sharded_outputs_are_compared_whole(ranks):
+    for out in ranks:
+        report = out["sharded"]
+        assert report.ok, str(report)
+        assert [c.name for c in report.outputs][:2] == ["output[0]", "output[1]"], str(report)

@@ -15,7 +15,7 @@ import torch
 import autosp
 from autosp.errors import ConfigError, VerificationError
 from autosp.sharding import collectives
-from autosp.testing.models import Config, LlamaLike, MeanPoolClassifier
+from autosp.testing.models import Config, GPT2Like, LlamaLike, MeanPoolClassifier
 
 VERIFY = sys.modules["autosp.verify"]  # ``autosp.verify`` is the function; its module holds the hook
 
@@ -135,4 +135,8 @@ def run_all(rank: int, world: int) -> dict[str, Any]:
     out = correct_and_bad_input(rank, ids, labels)
     out["first_call"] = first_call_only(ids, y)
     out["broken"] = broken_rule(ids, y)
+    torch.manual_seed(0)  # GPT2Like returns its logits too: DTensors with outputs="sharded"
+    out["sharded"] = autosp.verify(
+        GPT2Like(Config(heads=4, layers=1)), ids, labels, backend="aot_eager", outputs="sharded"
+    )
     return out

@@ -126,6 +126,7 @@ class AutoSPBackend:
 
         if self.world == 1:
             _refuse_late_process_group(self.options)
+        _refuse_ddp_optimizer()
 
         def compile_it() -> Callable[..., Any]:
             return compile_graph(gm, example_inputs, self.options, self.registry, self.group, self.world, self.reports)
@@ -323,6 +324,19 @@ def _refuse_late_process_group(options: SPOptions) -> None:
             f"but the process group now has {dist.get_world_size()} ranks: every rank would compute the whole "
             "sequence. Call autosp.compile after init_process_group, or pass sp_size=1 to compile for one "
             "device on purpose."
+        )
+
+
+def _refuse_ddp_optimizer() -> None:
+    """Dynamo's DDPOptimizer hands the backend one piece of a DDP model per gradient bucket, and
+    runs each compiled piece first on fake tensors; neither works for a program made SP as a whole."""
+    tracing = torch._guards.TracingContext.try_get()
+    if tracing is not None and getattr(tracing, "ddp_optimizer_ctx", None) is not None:
+        raise ConfigError(
+            "torch.compile of a DistributedDataParallel model with AutoSP's backend: Dynamo's DDPOptimizer "
+            "splits the graph at DDP's gradient buckets, which AutoSP cannot make sequence-parallel piece by "
+            "piece. Use autosp.compile (it traces the DDP model whole), set torch._dynamo.config.optimize_ddp "
+            "= False, or wrap the compiled model in DDP instead."
         )
 
 

@@ -144,18 +144,23 @@ def recompile_message(leaves: Sequence[Leaf], seen: Sequence[str]) -> str:
 
 @contextlib.contextmanager
 def _hard_dynamo_failures() -> Iterator[None]:
-    """Dynamo's recompile limit and compile errors raise instead of falling back to eager.
+    """Dynamo's recompile limit and compile errors raise instead of falling back to eager, and a
+    DDP-wrapped model is traced whole.
+
+    Dynamo's DDPOptimizer would cut the graph at DDP's gradient buckets and run each piece's
+    compiled program once on fake tensors: AutoSP's pieces would each lose the others' attention,
+    and a fake gradient reached DDP's reducer. Whole, DDP's own hooks reduce the gradients.
 
     Set and restored by hand: ``config.patch`` costs ~0.1 ms a call, an attribute ~10 us. The
     values are context variables in torch 2.13, so other threads are not affected.
     """
     cfg = torch._dynamo.config
-    saved = cfg.fail_on_recompile_limit_hit, cfg.suppress_errors
-    cfg.fail_on_recompile_limit_hit, cfg.suppress_errors = True, False
+    saved = cfg.fail_on_recompile_limit_hit, cfg.suppress_errors, cfg.optimize_ddp
+    cfg.fail_on_recompile_limit_hit, cfg.suppress_errors, cfg.optimize_ddp = True, False, False
     try:
         yield
     finally:
-        cfg.fail_on_recompile_limit_hit, cfg.suppress_errors = saved
+        cfg.fail_on_recompile_limit_hit, cfg.suppress_errors, cfg.optimize_ddp = saved
 
 
 class GraphRuns:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
+from torch.distributed.tensor import DTensor
 
 from autosp.errors import ConfigError, VerificationError
 from autosp.options import SPOptions, resolve_group
@@ -138,6 +139,8 @@ def _run(
     args, kwargs = _fresh((args, kwargs))
     with torch.enable_grad():
         out = call(*args, **kwargs)
+        # outputs="sharded" returns DTensors: compared (and differentiated) whole, as the reference's.
+        out = pytree.tree_map(lambda v: v.full_tensor() if isinstance(v, DTensor) else v, out)
         flat, spec = pytree.tree_flatten_with_path(out)
         outputs = [("output" + pytree.keystr(p), v) for p, v in flat]
         if selected is None:
