@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch.utils import _pytree as pytree
 from torch.distributed.tensor import DTensor
+from torch.utils import _pytree as pytree
 
 from autosp.errors import ConfigError, VerificationError
 from autosp.options import SPOptions, resolve_group
