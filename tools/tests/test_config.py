@@ -126,3 +126,14 @@ def test_fault_injection_that_cannot_fire_is_refused(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("AUTOSP_FAULT", "1:2:boom")
     with pytest.raises(TrainConfigError, match=r"AUTOSP_FAULT='1:2:boom' must be rank:step:kind"):
         config([])
+
+
+def test_zero3_is_refused_by_the_library_too() -> None:
+    """Not only autosp-train's flag: a script calling the helper gets the same refusal, before
+    DeepSpeed's hooks fail inside the first forward."""
+    from autosp_tools.parallel import ZERO3_REFUSAL, Groups, deepspeed_config, deepspeed_trainer
+
+    groups = Groups(sp=None, dp=None, dp_rank=0, dp_size=1, mesh=None)
+    with pytest.raises(ValueError, match="ZeRO-3 is not supported with AutoSP yet"):
+        deepspeed_trainer(object(), groups, deepspeed_config(3, 1, 1e-3, 0.0, 1.0))
+    assert "--data-parallel fsdp" in ZERO3_REFUSAL

@@ -235,7 +235,8 @@ def test_recompile_message_has_numbers_and_what_to_do():
     leaves = [Leaf("batch['ids']", "tensor [2, 72] int64 cpu", torch.zeros(2, 72)), Leaf("n", "int 3")]
     msg = recompile_message(leaves, ["batch['ids'] [2, 8]", "batch['ids'] [2, 16]"])
     assert f"recompile_limit={torch._dynamo.config.recompile_limit}" in msg
-    assert "this call (batch['ids'] [2, 72])" in msg
+    assert "this call (batch['ids'] [2, 72] with n=3)" in msg  # plain values too: they compile graphs
+    assert "a plain value differs" not in msg  # the lengths changed, not n
     assert "earlier calls: batch['ids'] [2, 8]; batch['ids'] [2, 16]" in msg
     assert "torch._dynamo.mark_dynamic(batch['ids'], 1)" in msg
 
@@ -294,6 +295,24 @@ def test_suppressed_errors_do_not_turn_autosp_errors_into_eager():
         with pytest.raises(AutoSPError, match="stand-in for any AutoSP refusal"):
             call(torch.ones(3))
         assert torch._dynamo.config.suppress_errors is True
+    torch._dynamo.reset()
+
+
+def _scaled(x, n):
+    return x * n
+
+
+def test_recompiles_from_a_plain_value_name_that_value():
+    """Same shapes every call, a Python int that changes: the message says so, not only "lengths"."""
+    call = _guarded(_scaled)
+    with torch._dynamo.config.patch(recompile_limit=2):
+        for n in (1, 2):
+            call(torch.ones(3), n)
+        with pytest.raises(EagerFallback) as e:
+            call(torch.ones(3), 3)
+    msg = str(e.value)
+    assert "this call (x [3] with n=3)" in msg and "x [3] with n=1; x [3] with n=2" in msg, msg
+    assert "a plain value differs (n=3)" in msg and "torch.tensor(n)" in msg, msg
     torch._dynamo.reset()
 
 

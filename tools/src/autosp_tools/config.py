@@ -297,11 +297,7 @@ def _check_parallel(ns: argparse.Namespace, heads: int, errors: list[str]) -> in
     if ns.backend == "none" and ns.show_report:
         errors.append("--show-report prints AutoSP's report, and --backend none runs without AutoSP")
     if ns.deepspeed == 3:
-        errors.append(
-            "ZeRO-3 is not supported with AutoSP yet: its per-submodule parameter gathering breaks the "
-            "compiled graph into pieces, and AutoSP needs attention and the sequence in one graph; "
-            "use --deepspeed 1 or 2, or --data-parallel fsdp to shard parameters"
-        )
+        errors.append(parallel.ZERO3_REFUSAL)
     elif ns.deepspeed is not None and importlib.util.find_spec("deepspeed") is None:
         errors.append("--deepspeed needs the deepspeed package: pip install 'autosp-tools[deepspeed]'")
     if sp > 1:

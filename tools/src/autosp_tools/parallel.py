@@ -19,6 +19,11 @@ from torch import nn
 
 DATA_PARALLEL = ("ddp", "fsdp")
 DEEPSPEED_STAGES = (0, 1, 2, 3)
+ZERO3_REFUSAL = (
+    "ZeRO-3 is not supported with AutoSP yet: its per-submodule parameter gathering breaks the "
+    "compiled graph into pieces, and AutoSP needs attention and the sequence in one graph; "
+    "use --deepspeed 1 or 2, or --data-parallel fsdp to shard parameters"
+)
 
 
 @dataclass(frozen=True)
@@ -190,6 +195,8 @@ class DeepSpeedTrainer:
 
 def deepspeed_trainer(program: Any, groups: Groups, config: dict[str, Any]) -> DeepSpeedTrainer:
     """A DeepSpeed engine that runs the AutoSP program, data-parallel over the dp group only."""
+    if int(config.get("zero_optimization", {}).get("stage", 0)) == 3:
+        raise ValueError(ZERO3_REFUSAL)  # before any process group or engine is made
     _quiet_deepspeed_comm()
     import deepspeed
 
@@ -216,6 +223,7 @@ def deepspeed_trainer(program: Any, groups: Groups, config: dict[str, Any]) -> D
 __all__ = [
     "DATA_PARALLEL",
     "DEEPSPEED_STAGES",
+    "ZERO3_REFUSAL",
     "DeepSpeedTrainer",
     "Groups",
     "TorchTrainer",
