@@ -234,7 +234,7 @@ class GuardedCall:
         self.seen: list[str] = []
         functools.update_wrapper(self, fn)
 
-    @torch._dynamo.disable(reason=_torchdynamo_disable_msg)
+    @torch.compiler.disable(reason=_torchdynamo_disable_msg)  # type: ignore[untyped-decorator]
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         leaves = flatten_inputs(args, kwargs, self.signature)
         if self.check is not None:
