@@ -485,6 +485,8 @@ def inputs(name: str, seq: int = 16, batch: int = 2) -> tuple[torch.Tensor, ...]
         "complex-output",
         "attention-dropout",
         "written-dropout",
+        "landmarks",
+        "wide-value-heads",
     ):
         return (ids,)
     return ids, y
@@ -1132,6 +1134,93 @@ BUILDERS.update(
         "attention-dropout": lambda s: AttentionDropout(written=False),
         "written-dropout": lambda s: AttentionDropout(written=True),
         "selected-positions": lambda s: SelectedPositions(),
+    }
+)
+NAMES = list(BUILDERS)
+
+
+# --- found by the fifth round of held-out probes: each once silently wrong or a crash -------------
+
+
+class LeftPadFinfo(LMBase):
+    """Left padding and a causal mask as Hugging Face builds them (additive ``finfo(fp32).min``), mean
+    pooled over every position, pads included: the pad rows, every key masked by a finite value,
+    attend uniformly and their gradients reach the loss.
+
+    Once silently wrong: ring merged those rows' blocks through log-sum-exps that had lost ``log(n)``
+    (SDPA form), and written out the attention became SDPA, whose fused backward gives such rows n
+    times the program's gradient (written form)."""
+
+    def __init__(self, written: bool) -> None:
+        super().__init__()
+        self.written = written
+        self.cls = nn.Linear(DIM, CLASSES)
+
+    def forward(self, ids, y):
+        B, S = ids.shape
+        pos = torch.arange(S)
+        pad = (pos[None] < S // 3) & (torch.arange(B)[:, None] == 0)  # row 0 left-padded
+        allowed = (pos[None, :] <= pos[:, None])[None] & ~pad[:, None, :]
+        mask = torch.zeros(B, 1, S, S).masked_fill(~allowed[:, None], torch.finfo(torch.float32).min)
+        x = self.embed(ids)
+        q, k, v = self.attn.heads(self.ln(x))
+        if self.written:
+            a = (q @ k.transpose(-1, -2) / math.sqrt(HD) + mask).softmax(-1) @ v
+        else:
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        x = x + self.attn.out(a.transpose(1, 2).reshape(B, S, DIM))
+        return F.cross_entropy(self.cls(x.mean(1)), y)
+
+
+class Landmarks(LMBase):
+    """Nystrom attention: segment means of q and k as landmarks, three softmaxes chained through them.
+
+    Once a gloo abort at P=3: the landmark attention (its length not the sequence's) was taken as a
+    ring site and split unevenly, and the ranks exchanged pieces of different sizes."""
+
+    def __init__(self, landmarks: int = 3) -> None:
+        super().__init__()
+        self.n = landmarks
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        B, S, _ = x.shape
+        q, k, v = self.attn.heads(self.ln(x))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        ql, kl = (t.reshape(B, HEADS, self.n, S // self.n, HD).mean(3) for t in (q, k))
+        k1 = (q @ kl.transpose(-1, -2)).softmax(-1)
+        k2 = (ql @ kl.transpose(-1, -2)).softmax(-1)
+        k3 = (ql @ k.transpose(-1, -2)).softmax(-1)
+        o = a + k1 @ (k2 @ (k3 @ v))
+        return self.lm_loss(x + self.attn.out(o.transpose(1, 2).reshape(B, S, DIM)), ids)
+
+
+class WideValueHeads(LMBase):
+    """MLA-style SDPA: value heads twice as wide as query and key heads.
+
+    Once a crash under ring: its fused block kernel takes one head size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qk = nn.Linear(DIM, 2 * DIM)
+        self.v = nn.Linear(DIM, 2 * DIM)
+        self.o = nn.Linear(2 * DIM, DIM)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        B, S, _ = x.shape
+        q, k = self.qk(self.ln(x)).view(B, S, 2, HEADS, HD).permute(2, 0, 3, 1, 4)
+        v = self.v(x).view(B, S, HEADS, 2 * HD).transpose(1, 2)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.lm_loss(x + self.o(a.transpose(1, 2).reshape(B, S, 2 * DIM)), ids)
+
+
+BUILDERS.update(
+    {
+        "leftpad-finfo": lambda s: LeftPadFinfo(written=False),
+        "leftpad-finfo-written": lambda s: LeftPadFinfo(written=True),
+        "landmarks": lambda s: Landmarks(),
+        "wide-value-heads": lambda s: WideValueHeads(),
     }
 )
 NAMES = list(BUILDERS)

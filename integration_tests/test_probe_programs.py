@@ -39,6 +39,10 @@ COMMON = [
     ("first-token-broadcast", 16, 2),
     ("complex-output", 16, 2),
     ("attention-dropout", 16, 2),
+    # The fifth round: pad rows every key of which a finite value masks (ring's merge, and written
+    # attention taken as SDPA, once silently wrong on them).
+    ("leftpad-finfo", 16, 2),
+    ("leftpad-finfo-written", 16, 2),
 ]
 PROBES = {
     "ulysses": [
@@ -65,7 +69,16 @@ PROBES = {
         ("selected-positions", 16, 2),
         ("eos-pool", 16, 2),
     ],
-    "ring": [*COMMON, ("instancenorm", 16, 2), ("select-topk", 16, 3), ("funnel", 16, 2), ("chunk-local-mask", 16, 2)],
+    "ring": [
+        *COMMON,
+        ("instancenorm", 16, 2),
+        ("select-topk", 16, 3),
+        ("funnel", 16, 2),
+        ("chunk-local-mask", 16, 2),
+        # Fifth round: an attention over 3 landmarks (not splitting over 2 ranks), wider value heads.
+        ("landmarks", 18, 2),
+        ("wide-value-heads", 16, 2),
+    ],
 }
 # Under Inductor: collectives whose order Inductor would choose by rank-dependent sizes (two
 # independent exchanges), one a rank would drop (its piece of the queries is empty), and ones

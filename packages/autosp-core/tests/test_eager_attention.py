@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from autosp.analysis.eager import find_eager_regions, region_site, rewrite_region
+from autosp.analysis.eager import find_eager_regions, may_mask_rows_finitely, region_site, rewrite_region
 from autosp.lowering import SDPA, leaves_for_kernels
 
 B, H, S, D = 2, 4, 6, 8
@@ -140,6 +140,48 @@ def test_fully_masked_rows_agree():
     gm = make_fx(scale_after_mask, tracing_mode="fake")(q, k, v, mask)
     rewrite_region(gm, find_eager_regions(gm)[0], SDPA.leaf)
     torch.testing.assert_close(gm(q, k, v, mask), scale_after_mask(q, k, v, mask), rtol=1e-5, atol=1e-6)
+
+
+def alibi_like(q, k, v, mask):
+    pos = torch.arange(S)
+    return ((q @ k.transpose(-2, -1)) * 0.3 - 0.5 * (pos[None] - pos[:, None]).abs()).softmax(-1) @ v
+
+
+def given_float_mask(q, k, v, mask):
+    return ((q @ k.transpose(-2, -1)) * 0.3 + mask).softmax(-1) @ v
+
+
+@pytest.mark.parametrize(
+    ("fn", "finite"),
+    [(nano, False), (alibi_like, False), (hf, True), (gpt2, True), (scale_after_mask, True), (padding_mask, True)],
+)
+def test_masks_that_can_hold_a_finite_fill_are_told(fn, finite):
+    """-inf fills and biases of ordinary size cannot leave a row fully masked by a finite value; the
+    dtype's minimum can (SDPA's fused backward would then give that row n times its gradient)."""
+    gm = _lowered(fn)
+    assert may_mask_rows_finitely(gm, find_eager_regions(gm)[0], {}) is finite
+
+
+def test_a_float_mask_passed_in_or_held_in_a_buffer_is_judged_by_what_it_can_hold():
+    q, k, v, _ = _inputs()
+    gm = make_fx(given_float_mask, tracing_mode="fake")(q, k, v, torch.zeros(S, S))
+    region = find_eager_regions(gm)[0]
+    mask_input = gm.graph.find_nodes(op="placeholder")[3]
+    assert may_mask_rows_finitely(gm, region, {})  # an input: any value, call to call
+    assert may_mask_rows_finitely(gm, region, {mask_input: torch.full((S, S), MIN)})  # a buffer holding MIN
+    assert not may_mask_rows_finitely(gm, region, {mask_input: -torch.rand(S, S)})  # a buffer of small biases
+
+
+def test_a_row_fully_masked_by_the_minimum_gets_other_gradients_from_sdpa():
+    """Why such a mask keeps the attention as written: the fused kernel's backward, recomputing the row's
+    weights from a log-sum-exp that rounded log(n) away, differs from the written softmax's."""
+    mask = CAUSAL.clone()
+    mask[0] = False
+    q, k, v = (t.requires_grad_() for t in _inputs()[:3])
+    bias = torch.zeros(S, S).masked_fill(~mask, MIN)
+    written = torch.autograd.grad(((q @ k.transpose(-2, -1)) * 0.3 + bias).softmax(-1) @ v, v, torch.ones(B, H, S, D))
+    fused = torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, bias, scale=0.3), v, torch.ones(B, H, S, D))
+    assert not torch.allclose(written[0], fused[0], rtol=1e-3)
 
 
 def flat_heads(q, k, v, mask):

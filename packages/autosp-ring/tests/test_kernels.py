@@ -156,3 +156,10 @@ def test_fused_blocks_hold_no_scores(group, reference):
         # The largest tensors are O(S * D) (q; k and v packed to travel), never a block's scores.
         assert fwd.numel <= 2 * b * h * s * d < scores and bwd.numel <= 2 * b * h * s * d, (fwd.numel, bwd.numel)
         assert BLOCK_COUNTS["forward", "cpu flash"] == 3 and BLOCK_COUNTS["backward", "cpu flash"] == 3
+
+
+def test_value_heads_wider_than_query_heads_take_the_fp32_block_math():
+    """MLA-style attention: the fused kernels take one head size (they raised on this once)."""
+    q, k = torch.randn(1, 2, 8, 8), torch.randn(1, 2, 8, 8)
+    assert kernels.choose(q, k, torch.randn(1, 2, 8, 8), masked=False) is CPU_FLASH
+    assert kernels.choose(q, k, torch.randn(1, 2, 8, 16), masked=False) is None

@@ -231,10 +231,13 @@ def _close(a: Tensor, b: Tensor, tol: float) -> bool:
     return bool(torch.isfinite(a).all()) and bool(((a - b).abs() <= tol * (1 + b.abs())).all())
 
 
-def choose(q: Tensor, k: Tensor, masked: bool) -> FusedKernel | None:
+def choose(q: Tensor, k: Tensor, v: Tensor, masked: bool) -> FusedKernel | None:
     """The checked fused kernel for this block kind, or None (fp32 math)."""
     kernel = candidate(q.device, q.dtype, q.shape[-1], masked)
-    if kernel is None or k.shape[-1] != q.shape[-1] or not check(kernel, q.device, q.dtype, q.shape[-1], masked):
+    if kernel is None or not check(kernel, q.device, q.dtype, q.shape[-1], masked):
+        return None
+    if k.shape[-1] != q.shape[-1] or v.shape[-1] != q.shape[-1]:
+        # The fused kernels take one head size (MLA-style attention has a wider value head).
         return None
     return kernel
 

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from autosp_ring import kernels
+from autosp_ring import kernels, saturated
 from autosp_ring.blocks import (
     FUSED_KERNEL,
     allowed_pairs,
@@ -138,6 +138,13 @@ def ring_attention(
     buf = _pack(k, v)
     steps = _steps(world, chunk, window, zigzag)
     kernel = block_kernel()
+    top = sat = None
+    if mask is not None and mask.dtype != torch.bool:
+        saturated.refuse_imprecise(mask)  # before the first transfer, alike on every rank
+        top = saturated.row_max(mask, segments(c, chunk, world, zigzag), chunk)
+        sat = saturated.is_saturated(top)
+        if not bool(sat.any()):
+            top = sat = None
     for s in range(steps):
         pending = ring.start(buf, 1, _KV_TAG) if s < steps - 1 else None
         j = (c - s) % world
@@ -150,17 +157,21 @@ def ring_attention(
                     continue
                 rows = slice(qs, qs + ql)
                 qb, kb, vb = _pieces(q, kj, vj, rows, slice(ks, ks + kl))
-                fused = kernels.choose(qb, kb, tile.mask is not None) if kernel is FUSED_KERNEL else None
+                fused = kernels.choose(qb, kb, vb, tile.mask is not None) if kernel is FUSED_KERNEL else None
                 if fused is not None:
                     o, block_lse = kernels.forward(fused, qb, kb, vb, scale, tile)
                 else:
                     o, block_lse = kernel.forward(qb, kb, vb, scale, tile.dense(ql, q.device))
                     block_lse = natural_lse(block_lse.float(), kernel.lse_base)
+                if sat is not None and top is not None and tile.mask is not None:
+                    block_lse = saturated.block_lse(block_lse, tile.mask, top[:, :, rows], sat[:, :, rows])
                 out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], o.float(), block_lse)
                 BLOCK_COUNTS["forward", "computed"] += 1
                 BLOCK_COUNTS["forward", _name(fused, kernel)] += 1
         if pending is not None:
             buf = ring.finish(pending)
+    if sat is not None and top is not None:
+        lse = saturated.restore(lse, top, sat)
     return out.to(q.dtype), lse
 
 
@@ -217,7 +228,7 @@ def ring_attention_backward(
                     continue
                 rows, cols = slice(qs, qs + ql), slice(ks, ks + kl)
                 qb, kb, vb = _pieces(q, kj, vj, rows, cols)
-                fused = kernels.choose(qb, kb, tile.mask is not None) if fused_ok else None
+                fused = kernels.choose(qb, kb, vb, tile.mask is not None) if fused_ok else None
                 if fused is not None:
                     dq_b, dk_b, dv_b = kernels.backward(
                         fused,

@@ -373,6 +373,74 @@ def _judge(region: EagerRegion, scores: torch.fx.Node) -> None:
     region.scale = scale
 
 
+def _finite_huge(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and -math.inf < x <= _MASKED
+
+
+def _holds_finite_huge(t: torch.Tensor) -> bool:
+    if not t.is_floating_point() or not t.numel():
+        return False
+    finite = t.detach()[torch.isfinite(t.detach())]
+    return bool(finite.numel()) and float(finite.min()) <= _MASKED
+
+
+def _may_hold_finite_fill(gm: torch.fx.GraphModule, node: Any, state: dict[torch.fx.Node, torch.Tensor]) -> bool:
+    """Whether ``node`` can hold a finite value <= -1e30: it is computed from such a constant, a
+    parameter or buffer holding one (``state``: their values), or a floating-point input (a mask
+    the caller passes: its values change from call to call)."""
+    seen: set[torch.fx.Node] = set()
+    stack = [node] if isinstance(node, torch.fx.Node) else []
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder":
+            v = state.get(n, _val(n))
+            if isinstance(v, torch.Tensor) and (_holds_finite_huge(v) if n in state else v.is_floating_point()):
+                return True
+        elif n.op == "get_attr":
+            c = getattr(gm, str(n.target), None)
+            if isinstance(c, torch.Tensor) and _holds_finite_huge(c):
+                return True
+        else:
+            constants: list[Any] = []
+            torch.fx.node.map_aggregate((n.args, n.kwargs), constants.append)
+            if any(_finite_huge(a) for a in constants):
+                return True
+        stack.extend(n.all_input_nodes)
+        # A value written in place through a view (``pad[0, ..., -2:] = MIN`` where the graph is not
+        # functionalized): the writes hang off its views' users.
+        stack.extend(u for u in n.users if _is_view_or_write(u))
+    return False
+
+
+def _is_view_or_write(node: torch.fx.Node) -> bool:
+    t = node.target
+    if not isinstance(t, torch._ops.OpOverload):
+        return False
+    return t._schema.is_mutable or any(r.alias_info is not None for r in t._schema.returns)
+
+
+def may_mask_rows_finitely(
+    gm: torch.fx.GraphModule, region: EagerRegion, state: dict[torch.fx.Node, torch.Tensor]
+) -> bool:
+    """Whether a query row can have every key masked by a finite value (HF's ``finfo.min`` with padding).
+
+    Written out, such a row's scores all round to that value, so it attends uniformly; SDPA's fused
+    kernels recompute its weights in the backward from a log-sum-exp that has lost ``log(n)`` (each
+    weight 1, not 1/n): its gradients would be n times the program's.
+    """
+    for op, others in _others(region):
+        if op.target in _MASK:
+            fill = _mask_fill(op, _chain_input(op, region))
+            if fill is not None and fill > -math.inf:
+                return True
+        if op.target in _ADD | _MASK and any(_may_hold_finite_fill(gm, a, state) for a in others):
+            return True
+    return False
+
+
 def _others(region: EagerRegion) -> list[tuple[torch.fx.Node, list[torch.fx.Node]]]:
     """Each score op with its tensor operands other than the scores."""
     return [(op, [a for a in op.all_input_nodes if a is not _chain_input(op, region)]) for op in region.score_ops]
@@ -454,4 +522,4 @@ def rewrite_region(gm: torch.fx.GraphModule, region: EagerRegion, leaf: Any) -> 
     return call
 
 
-__all__ = ["EagerRegion", "find_eager_regions", "region_site", "rewrite_region"]
+__all__ = ["EagerRegion", "find_eager_regions", "may_mask_rows_finitely", "region_site", "rewrite_region"]

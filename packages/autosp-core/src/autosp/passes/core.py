@@ -8,7 +8,13 @@ import warnings
 import torch
 
 from autosp.analysis.attention import find_attention_sites, hint
-from autosp.analysis.eager import EagerRegion, find_eager_regions, region_site, rewrite_region
+from autosp.analysis.eager import (
+    EagerRegion,
+    find_eager_regions,
+    may_mask_rows_finitely,
+    region_site,
+    rewrite_region,
+)
 from autosp.analysis.source import user_line
 from autosp.context import CompileContext
 from autosp.errors import AutoSPError
@@ -40,6 +46,20 @@ def _drop_sites_not_rewritten(ctx: CompileContext) -> None:
             f"every rank, q, k and v gathered (exact, no memory saving for it; variants that rewrite it: "
             f"{', '.join(site.spec.variants or ())})"
         )
+
+
+def _drop_sites_not_splitting_evenly(ctx: CompileContext) -> None:
+    """A self-attention over another length than the sequence (landmarks, pooled tokens) that the
+    ranks cannot split evenly: the variants exchange equal pieces, so it runs by the engine's rules
+    (each rank's query rows, or whole), exact."""
+    for site in list(ctx.sites):
+        length = _concrete(site.seq_len)
+        if isinstance(length, int) and length % ctx.world:
+            ctx.sites.remove(site)
+            ctx.report.notes.append(
+                f"attention {site.name}: its length {length} is not divisible by sp_size={ctx.world}, so no variant "
+                "splits it; computed by query rows or whole on every rank (exact)"
+            )
 
 
 def _concrete(n: int | torch.SymInt) -> int | torch.SymInt:
@@ -187,6 +207,7 @@ def _settle_sequence(ctx: CompileContext, lengths: list, written_out: list[Eager
             f"of {ctx.world} tokens (mask or ignore the padding in the loss)"
         )
     _drop_sites_not_rewritten(ctx)
+    _drop_sites_not_splitting_evenly(ctx)
     for site in ctx.sites:
         ctx.variant.check(site, ctx.world)
     ctx.seq_len = seq
@@ -223,7 +244,22 @@ def _longest(ctx: CompileContext, lengths: list) -> int:
 def _take_written_out(aten_gm: torch.fx.GraphModule, ctx: CompileContext) -> tuple[bool, list[EagerRegion]]:
     """Turn hand-written attention into SDPA calls where that computes the same; return what stays written."""
     changed, kept = False, []
+    inputs = aten_gm.graph.find_nodes(op="placeholder")
+    # Parameters and buffers by their values at compile time (a mask buffer, ALiBi's slopes).
+    state = {
+        n: x
+        for n, x, is_param in zip(inputs, ctx.example_inputs, ctx.is_param)
+        if is_param and isinstance(x, torch.Tensor) and getattr(n.meta.get("val"), "shape", None) == x.shape
+    }
+    if len(inputs) != len(ctx.example_inputs):
+        state = {}  # not the backend's inputs one for one: no value is known
     for region in find_eager_regions(aten_gm):
+        if region.why_not is None and may_mask_rows_finitely(aten_gm, region, state):
+            region.why_not = (
+                "its mask may leave a query row with every key masked by a finite value (finfo.min with padding): "
+                "written out, such a row attends uniformly; SDPA's fused kernels would give it n times the "
+                "gradient. Mask with -inf or a boolean mask to have it computed as SDPA"
+            )
         if region.why_not is None:
             try:
                 ctx.variant.check(region_site(region), ctx.world)
