@@ -165,13 +165,15 @@ def test_an_mlp_whose_values_are_read_elsewhere_is_left_as_is(aux: str) -> None:
     assert sum("not tiled: its hidden values are read elsewhere" in n for n in notes) == 1, notes
 
 
-def test_off_by_default_and_one_chunk_is_not_tiled() -> None:
-    assert _exact(lambda: LlamaLike(Config(layers=1)), backend="aot_eager") == []
-    notes = _exact(lambda: LlamaLike(Config(layers=1)), backend="aot_eager", tile_mlp=True)
-    assert notes and all("fit in one chunk" in n for n in notes), notes
+def test_on_by_default_with_sac_only_and_one_chunk_is_not_tiled() -> None:
+    assert _exact(lambda: LlamaLike(Config(layers=1)), backend="aot_eager") == []  # sac="auto"
+    assert _exact(lambda: LlamaLike(Config(layers=1)), backend="aot_eager", sac=False) == []
+    for options in ({"tile_mlp": True}, {"sac": True}):  # "auto" with sac=True tiles
+        notes = _exact(lambda: LlamaLike(Config(layers=1)), backend="aot_eager", **options)
+        assert notes and all("fit in one chunk" in n for n in notes), (options, notes)
 
 
-@pytest.mark.parametrize("bad", [0, -3, 2.5, "yes"])
+@pytest.mark.parametrize("bad", [0, -3, 2.5, "yes", "Auto"])
 def test_bad_tile_mlp_is_refused(bad) -> None:
     with pytest.raises(autosp.ConfigError, match="tile_mlp="):
         autosp.compile(nn.Linear(2, 2), tile_mlp=bad)

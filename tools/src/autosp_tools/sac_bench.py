@@ -82,8 +82,9 @@ def measure(case: Case, rank: int, world: int) -> dict[str, Any]:
     torch._dynamo.reset()  # one-rank cases run in this process; stay under Dynamo's recompile limit
     torch.manual_seed(0)
     model = LlamaLM(case.model)
-    opts = {"sp_size": world} if world > 1 else {}
-    compiled = autosp.compile(model, sac=case.sac, backend=case.backend, **opts)
+    opts: dict[str, Any] = {"sp_size": world} if world > 1 else {}
+    # SAC's own effect: tiled MLPs (on with sac=True by default) hide their matmuls from the audit.
+    compiled = autosp.compile(model, sac=case.sac, backend=case.backend, tile_mlp=False, **opts)
     ids = _inputs(case)
 
     def step() -> torch.Tensor:

@@ -53,7 +53,7 @@ class VerifyOptions(TorchCompileOptions, total=False):
     timeout: float | timedelta | None
     hardware: HardwareOption
     tile_loss: bool | int
-    tile_mlp: bool | int
+    tile_mlp: bool | int | Literal["auto"]
     memory_budget: int | float | None
     outputs: Literal["whole", "sharded"]
 
@@ -171,7 +171,7 @@ def backend(
     timeout: float | timedelta | None = None,
     hardware: HardwareOption = None,
     tile_loss: bool | int = True,
-    tile_mlp: bool | int = False,
+    tile_mlp: bool | int | Literal["auto"] = "auto",
     memory_budget: int | float | None = None,
     outputs: Literal["whole", "sharded"] = "whole",
     **variant_options: Any,
@@ -193,8 +193,8 @@ def backend(
             (``None``: detect the device; see ``SPOptions``).
         tile_loss: LM head + cross entropy in token chunks: True (where it saves memory), False,
             or the rows of one chunk (see ``SPOptions``).
-        tile_mlp: token-wise MLPs in token chunks, forward and backward: False (default), True, or
-            the rows of one chunk (see ``SPOptions``).
+        tile_mlp: token-wise MLPs in token chunks, forward and backward: "auto" (default: with
+            ``sac=True``), True, False, or the rows of one chunk (see ``SPOptions``).
         memory_budget: bytes, or a fraction of the device's memory, that ``sac="auto"`` fits into.
         outputs: "whole" (default) or "sharded": sequence-sharded outputs as DTensors (see ``SPOptions``).
         **variant_options: passed to the variant (for example ``ring_degree``).
@@ -237,7 +237,7 @@ def compile(  # noqa: A001 - mirrors torch.compile
     timeout: float | timedelta | None = None,
     hardware: HardwareOption = None,
     tile_loss: bool | int = True,
-    tile_mlp: bool | int = False,
+    tile_mlp: bool | int | Literal["auto"] = "auto",
     memory_budget: int | float | None = None,
     outputs: Literal["whole", "sharded"] = "whole",
     **torch_compile_kwargs: Unpack[TorchCompileOptions],

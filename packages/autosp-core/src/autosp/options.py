@@ -49,8 +49,9 @@ class SPOptions:
             saves memory, False to leave the graph as is, or an int: the rows of one chunk.
         tile_mlp: compute each token-wise MLP (``act(x W1) W2``, gated or not) in chunks of tokens,
             forward and backward, so its ``[tokens, ffn]`` intermediates are never whole
-            (``autosp.tile_mlp``): False (default: the backward recomputes the MLP's first matmuls,
-            which SAC on does anyway), True, or an int: the rows of one chunk.
+            (``autosp.tile_mlp``): "auto" (default: tiled with ``sac=True``, which recomputes the
+            MLP's first matmuls in the backward anyway; not otherwise, where tiling would add them),
+            True, False, or an int: the rows of one chunk.
         memory_budget: bytes (an int) or a fraction (0 < f <= 1) of the device's memory that
             ``sac="auto"`` fits the program into; ``None``: the hardware profile's memory.
         hardware: the profile cost models use (SAC's, ``variant="auto"``'s): a name ("h100-80gb",
@@ -73,7 +74,7 @@ class SPOptions:
     check_inputs: CheckMode | bool = "tokens"
     timeout: float | timedelta | None = None
     tile_loss: bool | int = True
-    tile_mlp: bool | int = False
+    tile_mlp: bool | int | Literal["auto"] = "auto"
     memory_budget: int | float | None = None
     hardware: HardwareOption = None
     outputs: Literal["whole", "sharded"] = "whole"
@@ -99,8 +100,11 @@ class SPOptions:
         check_option(self.hardware)
         for name in ("tile_loss", "tile_mlp"):
             value = getattr(self, name)
+            if name == "tile_mlp" and value == "auto":
+                continue
             if not isinstance(value, int) or (not isinstance(value, bool) and value < 1):
-                raise ConfigError(f"{name}={value!r}; use True, False or the rows of one chunk (an int >= 1)")
+                also = "'auto', " if name == "tile_mlp" else ""
+                raise ConfigError(f"{name}={value!r}; use {also}True, False or the rows of one chunk (an int >= 1)")
         budget = self.memory_budget
         if budget is not None and (
             isinstance(budget, bool)

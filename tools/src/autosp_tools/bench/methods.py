@@ -37,7 +37,22 @@ METHODS: dict[str, Method] = {
         Method("ulysses-compiled", "ds-ulysses", True, True, label="hand-written DeepSpeed-Ulysses, torch.compile"),
         Method("ds-autosp", "ds-autosp", True, True, label="DeepSpeed AutoSP (deepcompile, inductor)"),
         Method("autosp-ulysses", "autosp", True, True, {"variant": "ulysses", "sac": False}, "ours: ulysses"),
-        Method("autosp-ulysses-sac", "autosp", True, True, {"variant": "ulysses", "sac": True}, "ours: ulysses + SAC"),
+        Method(
+            "autosp-ulysses-sac",
+            "autosp",
+            True,
+            True,
+            {"variant": "ulysses", "sac": True},
+            "ours: ulysses + SAC (MLPs tiled: tile_mlp='auto')",
+        ),
+        Method(
+            "autosp-ulysses-sac-untiled",
+            "autosp",
+            True,
+            True,
+            {"variant": "ulysses", "sac": True, "tile_mlp": False},
+            "ours: ulysses + SAC, MLPs whole",
+        ),
         Method(
             "autosp-ulysses-sac-tiled",
             "autosp",
