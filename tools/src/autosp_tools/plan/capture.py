@@ -94,6 +94,9 @@ def _options(mode: Mode, sp: int) -> SPOptions:
         backend="aot_eager",
         variant_options=dict(mode.variant_options),
         check_inputs="off",
+        # One graph stage serves every SAC mode, so nothing at that stage may depend on SAC: the plan
+        # models the MLPs whole (tile_mlp="auto" would tile them for sac=True only).
+        tile_mlp=False,
         **extra,
     )
 
