@@ -129,7 +129,13 @@ def site_from_node(node: torch.fx.Node, spec: AttentionSpec) -> AttentionSite:
                 " (SDPA on more dims is folded to 4 when its batch dims are of static size and alike in q, k and "
                 "v; fold them yourself, q.flatten(0, q.dim() - 4) and the same for k and v, or mark no length dynamic)"
                 if spec.name == "sdpa" and q.dim() > len(lay)
-                else ""
+                else (
+                    " (q, k and v without a heads dim, [batch, S, d] or [batch * heads, S, d]: give them one, "
+                    "q.view(batch, heads, S, d) or q.unsqueeze(1), and the same for k and v, so the variant can "
+                    "split heads or sequence)"
+                    if spec.name == "sdpa" and q.dim() < len(lay)
+                    else ""
+                )
             )
         )
     signature = spec.signature or SDPA_SIGNATURE
