@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from harness import run_spmd
 from probe_workers import run_probes
 from spmd_pool import RankError, SPMDPool
 
@@ -86,6 +87,8 @@ PROBES = {
 INDUCTOR = [("reverse-attention", 16, 2), ("last-queries", 16, 2), ("mix-position-loop", 16, 2), ("rotated", 16, 2)]
 # SDPA on 5-D q/k/v, folded to 4-D before the analysis, under Inductor too (both variants).
 INDUCTOR += [("chunk-local-mask", 16, 2)]
+# Rows every key of which finfo.min masks: ring's count-weighted merge, and the written form kept as written.
+INDUCTOR += [("leftpad-finfo", 16, 2), ("leftpad-finfo-written", 16, 2)]
 # Token mixing beyond attention, with SAC on (the min-cut partitioner, which once merged equal
 # collectives on one rank by CSE: the position loop's all-reduces then paired wrongly across ranks).
 MIXERS = [
@@ -166,3 +169,15 @@ def test_length_not_divisible_is_refused(pool: SPMDPool) -> None:
         assert not isinstance(results, RankError), results.traceback
         error = results["rwkv-shift", 17, 2].get("error", "")
         assert error.startswith("refused: AutoSPError") and "not divisible by sp_size=2" in error, error
+
+
+@pytest.mark.parametrize(
+    ("variant", "probes"),
+    [
+        ("ring", [("leftpad-finfo", 16, 2), ("leftpad-finfo-written", 16, 2), ("landmarks", 24, 2)]),
+        ("ulysses", [("leftpad-finfo", 16, 2), ("leftpad-finfo-written", 16, 2)]),
+    ],
+)
+def test_fifth_round_probes_on_four_ranks(variant: str, probes: list[tuple[str, int, int]]) -> None:
+    """Fully masked rows merged over four ring blocks (zigzag pieces), 3 landmarks over 4 ranks."""
+    _exact(run_spmd(run_probes, 4, probes, variant), probes, f"{variant} P=4")

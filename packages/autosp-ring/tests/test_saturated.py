@@ -26,7 +26,7 @@ def test_blocks_of_unequal_size_merge_into_the_single_device_mean():
     q, k, v = (torch.randn(B, H, S, D, generator=g) for _ in range(3))
     mask = _mask(MIN)
     whole = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    top = saturated.row_max(mask, [(0, S, 0)], S)
+    top = saturated.my_rows(mask.amax(-1), [(0, S, 0)], S)
     sat = saturated.is_saturated(top)
     assert sat[0, 0, :3].all() and not sat[0, 0, 3:].any()
     out = torch.zeros(B, H, S, D)
@@ -47,7 +47,7 @@ def test_blocks_of_unequal_size_merge_into_the_single_device_mean():
 def test_rows_fully_masked_by_a_moderate_finite_value_are_refused(fill: float, refused: bool):
     if refused:
         with pytest.raises(AutoSPError, match="every key masked by a finite value"):
-            saturated.refuse_imprecise(_mask(fill))
+            saturated.refuse_imprecise(_mask(fill).amax(-1))
     else:
-        saturated.refuse_imprecise(_mask(fill))
-    saturated.refuse_imprecise(_mask(-1e4)[..., 3:, :])  # rows that keep a key are never refused
+        saturated.refuse_imprecise(_mask(fill).amax(-1))
+    saturated.refuse_imprecise(_mask(-1e4)[..., 3:, :].amax(-1))  # rows that keep a key are never refused

@@ -126,19 +126,18 @@ def _shapes(leaves: Sequence[Leaf]) -> str:
     """The tensors' shapes and, after " with ", the plain values: Dynamo compiles a graph per value
     of a plain argument (under SP, ``dynamic=False``), so either can be what asked for a new graph."""
     shapes = ", ".join(f"{leaf.path} {list(leaf.tensor.shape)}" for leaf in leaves if leaf.tensor is not None)
-    plain = [leaf for leaf in leaves if leaf.tensor is None and leaf.meta.startswith(_PLAIN) and leaf.path[:1] != "("]
+    plain = [leaf for leaf in leaves if leaf.tensor is None and leaf.meta.startswith(_PLAIN)]
     values = ", ".join(f"{leaf.path}={leaf.meta.split(' ', 1)[1]}" for leaf in plain)
     return f"{shapes} with {values}" if values else shapes
 
 
-def _changed_values(leaves: Sequence[Leaf], seen: Sequence[str]) -> str:
-    """Why a call whose tensors have an earlier call's shapes still needs a graph: its plain values."""
-    now = _shapes(leaves)
-    tensors = now.split(" with ")[0]
-    if " with " not in now or not any(entry.split(" with ")[0] == tensors for entry in seen):
+def _changed_values(now: str, seen: Sequence[str]) -> str:
+    """Why a call (``_shapes`` of it) whose tensors have an earlier call's shapes still needs a graph."""
+    tensors, _, values = now.partition(" with ")
+    if not values or not any(entry.partition(" with ")[0] == tensors for entry in seen):
         return ""
     return (
-        f"Its tensors have the shapes of an earlier call: a plain value differs ({now.split(' with ')[1]}), "
+        f"Its tensors have the shapes of an earlier call: a plain value differs ({values}), "
         "and each new value of a plain int or float argument compiles another graph. Pass a value that "
         "changes from call to call as a tensor (torch.tensor(n)), or keep it constant. "
     )
@@ -152,11 +151,12 @@ def recompile_message(leaves: Sequence[Leaf], seen: Sequence[str]) -> str:
         t = tensors[0]
         example = f"{t.path}, {1 if t.tensor is not None and t.tensor.dim() > 1 else 0}"
     earlier = "; ".join(seen) if seen else "none recorded"
+    now = _shapes(leaves)
     return (
         f"Dynamo's recompile limit is reached (torch._dynamo.config.recompile_limit={limit}): this call "
-        f"({_shapes(leaves) or 'no tensor inputs'}) needs another graph, and Dynamo would run it and every later "
+        f"({now or 'no tensor inputs'}) needs another graph, and Dynamo would run it and every later "
         "new shape in eager, without sequence parallelism and with the whole sequence's memory on every rank. "
-        f"Inputs of the earlier calls: {earlier}. {_changed_values(leaves, seen)}Mark the sequence length "
+        f"Inputs of the earlier calls: {earlier}. {_changed_values(now, seen)}Mark the sequence length "
         f"dynamic so one graph serves every length (torch._dynamo.mark_dynamic({example}) on each batch before "
         "the call), pad batches to a few bucket lengths (multiples of sp_size), or raise "
         "torch._dynamo.config.recompile_limit. TORCH_LOGS=recompiles says why each graph recompiled."

@@ -140,8 +140,9 @@ def ring_attention(
     kernel = block_kernel()
     top = sat = None
     if mask is not None and mask.dtype != torch.bool:
-        saturated.refuse_imprecise(mask)  # before the first transfer, alike on every rank
-        top = saturated.row_max(mask, segments(c, chunk, world, zigzag), chunk)
+        whole_top = mask.amax(-1)  # every row's largest mask value, alike on every rank
+        saturated.refuse_imprecise(whole_top)  # before the first transfer
+        top = saturated.my_rows(whole_top, segments(c, chunk, world, zigzag), chunk)
         sat = saturated.is_saturated(top)
         if not bool(sat.any()):
             top = sat = None

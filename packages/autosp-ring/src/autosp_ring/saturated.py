@@ -25,9 +25,11 @@ SATURATED = -1e30  # ulp(1e30) is ~7.6e22: any score added to it is absorbed, lo
 PRECISE = -1e3  # a row fully masked by more than this loses less than 1e-4 in the merge
 
 
-def refuse_imprecise(mask: Tensor) -> None:
-    """The same error on every rank when some row is fully masked by a finite value the merge cannot weight."""
-    top = mask.amax(-1)
+def refuse_imprecise(top: Tensor) -> None:
+    """The same error on every rank when some row is fully masked by a finite value the merge cannot weight.
+
+    ``top``: every query row's largest mask value (the whole mask's, alike on every rank).
+    """
     bad = torch.isfinite(top) & (top > SATURATED) & (top < PRECISE)
     if bool(bad.any()):
         worst = float(top[bad].max())
@@ -38,12 +40,12 @@ def refuse_imprecise(mask: Tensor) -> None:
         )
 
 
-def row_max(mask: Tensor, pieces: list[tuple[int, int, int]], chunk: int) -> Tensor:
-    """``[Bm, Hm, chunk]``: each of this rank's query rows' largest mask value over every key."""
-    top = mask.new_empty((mask.shape[0], mask.shape[1], chunk))
+def my_rows(top: Tensor, pieces: list[tuple[int, int, int]], chunk: int) -> Tensor:
+    """``[Bm, Hm, chunk]``: the rows of ``top`` (by global position) this rank's query pieces hold."""
+    mine = top.new_empty((top.shape[0], top.shape[1], chunk))
     for qo, ql, qs in pieces:
-        top[:, :, qs : qs + ql] = mask[:, :, qo : qo + ql].amax(-1)
-    return top
+        mine[:, :, qs : qs + ql] = top[:, :, qo : qo + ql]
+    return mine
 
 
 def is_saturated(top: Tensor) -> Tensor:
@@ -61,4 +63,4 @@ def restore(lse: Tensor, top: Tensor, saturated: Tensor) -> Tensor:
     return torch.where(saturated, top.float().expand_as(lse), lse)
 
 
-__all__ = ["PRECISE", "SATURATED", "block_lse", "is_saturated", "refuse_imprecise", "restore", "row_max"]
+__all__ = ["PRECISE", "SATURATED", "block_lse", "is_saturated", "my_rows", "refuse_imprecise", "restore"]
