@@ -38,6 +38,27 @@ def test_cpu_quick_stages(tmp_path):
         assert point["peak_ratio"] == pytest.approx(1.0, abs=0.20), (key, point)
 
 
+def test_the_checked_models_run_in_bf16():
+    """The GPU check's models in bf16 (its dtype there): RoPE's fp32 angles must not turn q/k fp32
+    while v stays bf16 (SDPA refuses mixed dtypes; the first CUDA run failed on it)."""
+    from autosp_tools.bench.workload import rope_tables
+    from autosp_tools.model import build_model
+    from autosp_tools.plan.measure import TINY
+
+    model = build_model(TINY).to(torch.bfloat16)
+    ids = torch.randint(0, TINY.vocab, (1, 64))
+    loss = model(ids, ids)
+    assert loss.dtype == torch.bfloat16 and torch.isfinite(loss)
+    cos, sin = rope_tables(model, torch.arange(64))  # the hand-written Ulysses baseline's tables
+    assert cos.dtype == sin.dtype == torch.bfloat16
+
+
+def test_equivalence_combos_are_checked_before_any_stage(tmp_path):
+    with pytest.raises(ValueError, match="variant/backend/sac"):
+        gpu_check.main(["--device", "cpu", "--quick", "--out", str(tmp_path / "c.json"), "--combos", "ring/inductor"])
+    assert not (tmp_path / "c.json").exists()
+
+
 def test_a_failing_stage_is_recorded_and_the_others_run(tmp_path):
     check = gpu_check.Check(tmp_path / "c.json")
     check.stage("boom", lambda: 1 / 0)

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from autosp.rng_check import DEVICE_TYPES, digest_bytes, rng_digests
+from autosp.torch_compat import all_gather_single
 from autosp.weak_group import WeakGroup
 
 CheckMode = Literal["tokens", "shapes", "hash", "off"]
@@ -333,7 +334,7 @@ class InputCheck:
             local[1] = (fps * (weights | 1)).sum()
         # Pre-filled with our own row: a backend that does not communicate (fake) compares equal.
         rows = local.repeat(len(self.ranks))
-        dist.all_gather_single(rows, local, group=self.group)
+        all_gather_single(rows, local, group=self.group)
         width = local.numel()
         flat = rows.tolist()
         self.rng_rows = [flat[i + 2 : i + width] for i in range(0, len(flat), width)]

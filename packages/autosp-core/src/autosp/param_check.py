@@ -28,6 +28,7 @@ import torch.distributed as dist
 from autosp.errors import AutoSPError
 from autosp.guards import naming_comm_failures
 from autosp.input_check import collective_device, fingerprint, spread_sample
+from autosp.torch_compat import all_gather_single
 from autosp.weak_group import WeakGroup
 
 SAMPLE = 4096
@@ -61,7 +62,7 @@ class ParameterCheck:
         )
         digest = hash(tuple(fps)) if fps else 0  # one process's hash of ints: the same on every rank
         rows = torch.full((dist.get_world_size(group),), digest, dtype=torch.int64, device=device)
-        dist.all_gather_single(rows, rows[:1].clone(), group=group)
+        all_gather_single(rows, rows[:1].clone(), group=group)
         if len(set(rows.tolist())) == 1:
             return
         gathered: list[Any] = [None] * dist.get_world_size(group)

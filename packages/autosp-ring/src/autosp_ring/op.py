@@ -52,6 +52,21 @@ BLOCK_COUNTS: Counter = Counter()
 _KV_TAG, _GRAD_TAG = 0, 1
 
 
+def host_staged(backend: str, device: torch.device) -> bool:
+    """Whether ``backend`` (``dist.get_backend``'s string) moves ``device`` tensors point to point
+    only through host memory.
+
+    gloo stages CUDA tensors itself inside its collectives (the all-to-alls of Ulysses), but its
+    send/recv hand the device pointer to the socket: the transfer fails ("writev: Bad address")
+    or aborts the process. A group of several backends names one per device type
+    (``cpu:gloo,cuda:nccl``).
+    """
+    if device.type == "cpu":
+        return False
+    per_device = dict(part.split(":", 1) for part in backend.split(",")) if ":" in backend else {}
+    return per_device.get(device.type, backend) == "gloo"
+
+
 class _Ring:
     """This rank's place in the ring group, and one-hop exchanges along it."""
 
@@ -59,25 +74,29 @@ class _Ring:
         self.group = _resolve_process_group(group_name)
         self.rank = dist.get_rank(self.group)
         self.world = dist.get_world_size(self.group)
+        self.backend = str(dist.get_backend(self.group))
 
     def _global(self, r: int) -> int:
         return dist.get_global_rank(self.group, r % self.world)
 
     def start(self, buf: Tensor, offset: int, tag: int) -> Any:
         """Send ``buf`` to rank+offset and receive the same-sized buffer from rank-offset."""
+        device = buf.device
+        if host_staged(self.backend, device):
+            buf = buf.cpu()  # the copy syncs with the kernels that wrote buf
         recv = torch.empty_like(buf)
         ops = [
             dist.P2POp(dist.isend, buf, self._global(self.rank + offset), self.group, tag),
             dist.P2POp(dist.irecv, recv, self._global(self.rank - offset), self.group, tag),
         ]
-        return dist.batch_isend_irecv(ops), recv
+        return dist.batch_isend_irecv(ops), recv, device, buf  # buf: the send stays alive until finish
 
     @staticmethod
     def finish(pending: Any) -> Tensor:
-        works, recv = pending
+        works, recv, device, _ = pending
         for w in works:
             w.wait()
-        return recv
+        return recv.to(device)
 
 
 def num_steps(world: int, chunk: int, window: int) -> int:

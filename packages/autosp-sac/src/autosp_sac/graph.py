@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import fx
-from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+from autosp.torch_compat import optimization_hint
 
 aten = torch.ops.aten
 

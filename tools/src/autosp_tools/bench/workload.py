@@ -61,7 +61,8 @@ def rope_tables(lm: LlamaLM, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     """cos/sin of shape ``[..., S, head_dim]`` for integer positions ``pos`` of shape ``[..., S]``."""
     freqs = pos.float()[..., None] * lm.inv_freq
     emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos(), emb.sin()
+    dtype = lm.embed.weight.dtype  # angles in fp32, applied in the model's dtype (as LlamaLM does)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def repeat_kv(x: torch.Tensor, rep: int, head_dim: int) -> torch.Tensor:

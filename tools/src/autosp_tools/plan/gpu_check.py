@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 import json
 import os
+import pkgutil
 import platform
 import sys
 import time
@@ -77,12 +79,35 @@ class Check:
         self.out.write_text(json.dumps(self.data, indent=2, default=str))
 
 
+PACKAGES = ("autosp", "autosp_ulysses", "autosp_sac", "autosp_ring", "autosp_tools")
+
+
+def import_failures() -> dict[str, str]:
+    """Every module of the packages that does not import (a torch release that renamed an internal)."""
+    failures = {}
+    for top in PACKAGES:
+        try:
+            pkg = importlib.import_module(top)
+        except Exception as e:  # noqa: BLE001 - each failure is a result
+            failures[top] = f"{type(e).__name__}: {e}"
+            continue
+        for mod in pkgutil.walk_packages(pkg.__path__, prefix=f"{top}."):
+            if ".tests" in mod.name or mod.name.endswith("__main__"):
+                continue
+            try:
+                importlib.import_module(mod.name)
+            except Exception as e:  # noqa: BLE001
+                failures[mod.name] = f"{type(e).__name__}: {e}"
+    return failures
+
+
 def env_info(device: str) -> dict[str, Any]:
     info: dict[str, Any] = {
         "torch": torch.__version__,
         "python": platform.python_version(),
         "device": device,
         "cuda_available": torch.cuda.is_available(),
+        "import_failures": import_failures(),
     }
     if device == "cuda":
         if not torch.cuda.is_available():
@@ -122,15 +147,23 @@ class _Cfg(dict):
         return self["world"]
 
 
-def equivalence(device: str, quick: bool) -> dict[str, Any]:
+ALL_COMBOS = tuple(
+    f"{v}/{b}/sac={s}" for v in ("ulysses", "ring") for b in ("aot_eager", "inductor") for s in (False, True)
+)
+
+
+def _parse_combo(text: str) -> tuple[str, str, bool]:
+    parts = text.split("/")
+    if len(parts) != 3 or parts[2] not in ("sac=True", "sac=False"):
+        raise ValueError(f"--combos entry {text!r}: expected variant/backend/sac=True|False")
+    return parts[0], parts[1], parts[2] == "sac=True"
+
+
+def equivalence(device: str, quick: bool, combos_text: tuple[str, ...] = ALL_COMBOS) -> dict[str, Any]:
     from autosp_tools.launch import launch
 
     model = TINY if quick else replace(SHIPPED, vocab=512)
-    combos = (
-        [("ulysses", "aot_eager", False)]
-        if quick
-        else [(v, b, s) for v in ("ulysses", "ring") for b in ("aot_eager", "inductor") for s in (False, True)]
-    )
+    combos = [("ulysses", "aot_eager", False)] if quick else [_parse_combo(c) for c in combos_text]
     out = {}
     for variant, backend, sac in combos:
         key = f"{variant}/{backend}/sac={sac}"
@@ -320,15 +353,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--quick", action="store_true", help="small sizes (the CPU self-test)")
     ap.add_argument("--stages", default="env,equivalence,sac_kernels,plan_vs_measured,step_time")
+    ap.add_argument(
+        "--combos",
+        default=",".join(ALL_COMBOS),
+        help="equivalence's variant/backend/sac=... entries (default: both variants x both backends x SAC off/on)",
+    )
     args = ap.parse_args(argv)
     out = Path(args.out) if args.out else Path(os.environ.get("OUT", ".")) / "gpu_check.json"
+    combos = tuple(args.combos.split(","))
+    for c in combos:
+        _parse_combo(c)  # a typo fails here, before any stage runs
     check = Check(out)
     env = check.stage("env", lambda: env_info(args.device))
     if not env["ok"]:
         print(f"gpu_check: {env['error']}", file=sys.stderr)
         return 2
-    stages = {
-        "equivalence": equivalence,
+    stages: dict[str, Callable[[str, bool], Any]] = {
+        "equivalence": functools.partial(equivalence, combos_text=combos),
         "sac_kernels": sac_kernels,
         "plan_vs_measured": plan_vs_measured,
         "step_time": step_time,

@@ -86,7 +86,7 @@ def hint(n: Any) -> Any:
     Reads the size hint without adding a guard, so a message never specialises the graph.
     """
     if isinstance(n, torch.SymInt):
-        from torch.fx.experimental.symbolic_shapes import optimization_hint
+        from autosp.torch_compat import optimization_hint
 
         return optimization_hint(n, fallback=-1)
     return n

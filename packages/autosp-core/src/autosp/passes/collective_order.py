@@ -46,10 +46,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch._inductor.custom_graph_pass import CustomGraphPass, CustomSchedulerPass
+from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.fx import Graph, Node
 
 from autosp.errors import AutoSPError
+from autosp.torch_compat import CustomSchedulerPass
 
 _WAITS = frozenset({torch.ops._c10d_functional.wait_tensor.default})
 INDEX = "autosp_group_op"  # node meta: the op's position among the graph's group ops
@@ -178,7 +179,8 @@ class ChainScheduled(CustomSchedulerPass):
         nodes = scheduler.topological_sort_schedule(nodes)
         scheduler.nodes = nodes  # what the ancestors and input distances are computed over
         scheduler.compute_ancestors()
-        scheduler.compute_input_distances()
+        if hasattr(scheduler, "compute_input_distances"):  # fusion scores by them from torch 2.13 on
+            scheduler.compute_input_distances()
         return nodes
 
     def uuid(self) -> str:

@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 from torch import fx
-from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.utils import _pytree as pytree
 
 from autosp.analysis.users import live_users
@@ -33,6 +32,7 @@ from autosp.context import CompileContext
 from autosp.linear_cross_entropy import OP, Step, format_epilogue, loss_dtype
 from autosp.lowering import lower_to_aten
 from autosp.passes.manager import Pass, Stage
+from autosp.torch_compat import optimization_hint
 
 aten = torch.ops.aten
 

@@ -135,6 +135,8 @@ class LlamaLike(nn.Module):
                 # A fully padded query row would make SDPA return NaN; let it see itself.
                 mask = mask | torch.eye(S, dtype=torch.bool, device=input_ids.device)
         x = self.embed(input_ids)
+        # The angles in fp32 (as HF does), applied in the activations' dtype: bf16 q/k stay bf16.
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         for block in self.blocks:
             x = block(x, cos, sin, mask)
         logits = self.head(self.norm(x))

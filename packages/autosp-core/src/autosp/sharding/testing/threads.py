@@ -59,7 +59,12 @@ def _logging_group_class() -> type:
 
         return call
 
-    body = {name: logged(kind, getattr(ProcessLocalGroup, name)) for name, kind in _LOGGED.items()}
+    # Only the methods this torch's threaded group has (all_gather_single arrived in 2.13).
+    body = {
+        name: logged(kind, getattr(ProcessLocalGroup, name))
+        for name, kind in _LOGGED.items()
+        if hasattr(ProcessLocalGroup, name)
+    }
     return type("LoggingThreadedGroup", (ProcessLocalGroup,), body)
 
 
