@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# AutoSP's GPU checks on a one-GPU machine (about 10 minutes on an H100/H200), one JSON out.
+# AutoSP's GPU checks on a one-GPU machine (about 5 minutes on an H200), one JSON out.
 #
+#   tools/scripts/gpu_wheels.sh        # here, first, where the GPU machine reaches no package index
 #   tools/gpu_check.sh                 # writes $OUT/gpu_check.json (or ./gpu_check.json)
 #   tools/gpu_check.sh path/to.json    # writes there
 #   tools/gpu_check.sh out.json --device cpu --quick   # the CPU self-test of this script
@@ -13,11 +14,19 @@ set -u -o pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 out="${1:-${OUT:-.}/gpu_check.json}"
 [ $# -gt 0 ] && shift
-py="${PYTHON:-python}"
-if ! "$py" -c "import autosp_tools, autosp_sac, autosp_ring" 2>/dev/null; then
+py="${PYTHON:-$(command -v python || command -v python3)}"
+root="$here/.."
+if ls "$root"/.whl/autosp_core-*.whl >/dev/null 2>&1; then
+    # Wheels from tools/scripts/gpu_wheels.sh (a machine that reaches no index): --no-deps keeps the
+    # machine's CUDA torch; a target folder, since its site-packages may not be writable.
+    site="${TMPDIR:-/tmp}/autosp-gpu-site"
+    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
+        "$root"/.whl/*.whl || { echo "gpu_check: could not install $root/.whl/*.whl" >&2; exit 2; }
+    export PYTHONPATH="$site:$root/.whl/site${PYTHONPATH:+:$PYTHONPATH}"
+elif ! "$py" -c "import autosp_tools, autosp_sac, autosp_ring" 2>/dev/null; then
     # A bare checkout: install the workspace editable; --no-deps keeps the machine's CUDA torch
-    # (plugins are found through entry points, so PYTHONPATH alone would not do).
-    root="$here/.."
+    # (plugins are found through entry points, so PYTHONPATH alone would not do). Building needs
+    # hatchling: without an index, use tools/scripts/gpu_wheels.sh instead.
     "$py" -m pip install -q --no-deps -e "$root/packages/autosp-core" -e "$root/packages/autosp-ulysses" \
         -e "$root/packages/autosp-sac" -e "$root/packages/autosp-ring" -e "$root/tools" \
         || { echo "gpu_check: could not install the AutoSP packages with $py -m pip" >&2; exit 2; }
