@@ -81,6 +81,7 @@ def config_errors(rank: int, world: int) -> dict[str, Any]:
             "two_lengths": lambda: autosp.compile(_two_lengths, backend="aot_eager", dynamic=True)(
                 torch.randn(1, 9, 12), torch.randn(1, 6, 12)
             ),
+            "made_in_model": lambda: autosp.compile(_cls_token_encoder, backend="aot_eager")(torch.randn(1, 12, 3, 3)),
         }
         collectives: dict[str, list[str]] = {}
         for key, case in cases.items():
@@ -103,6 +104,14 @@ def config_errors(rank: int, world: int) -> dict[str, Any]:
 
     results["dynamic"] = _error_of(dynamic)
     return results
+
+
+def _cls_token_encoder(image):
+    """Self-attention over 3x3 patches plus a [CLS] token: 10 tokens, a length no input has."""
+    x = image.flatten(2).transpose(1, 2)  # [1, 9, 12]
+    x = torch.cat([x.new_ones(1, 1, 12), x], 1)  # [1, 10, 12]
+    q = x.view(1, 10, 3, 4).transpose(1, 2)
+    return torch.nn.functional.scaled_dot_product_attention(q, q, q)[:, :, 0].sum()
 
 
 def _two_lengths(x, memory):

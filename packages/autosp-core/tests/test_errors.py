@@ -141,7 +141,7 @@ def _on_every_rank(results, key):
     return errors[0]
 
 
-COMPILE_ERRORS = ("seq_not_divisible", "heads_not_divisible", "two_lengths")
+COMPILE_ERRORS = ("seq_not_divisible", "heads_not_divisible", "two_lengths", "made_in_model")
 
 
 def test_no_collective_before_the_errors(spmd_errors):
@@ -202,6 +202,13 @@ def test_spmd_sequence_not_divisible(spmd_errors):
     kind, msg = _on_every_rank(spmd_errors, "seq_not_divisible")
     assert _autosp_error(kind), kind
     assert "sequence length 8 is not divisible by sp_size=3" in msg and "pad" in msg
+
+
+def test_spmd_length_made_in_the_model_not_divisible(spmd_errors):
+    # No input holds the 10 tokens (9 patches and a [CLS] token): padding the batch would not help.
+    kind, msg = _on_every_rank(spmd_errors, "made_in_model")
+    assert _autosp_error(kind), kind
+    assert "sequence length 10 is made inside the model" in msg and "sp_size=3" in msg and "pad" not in msg, msg
 
 
 def test_spmd_heads_not_divisible(spmd_errors):

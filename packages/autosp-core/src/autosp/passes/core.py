@@ -201,11 +201,7 @@ def _settle_sequence(ctx: CompileContext, lengths: list, written_out: list[Eager
     if isinstance(seq, int) and seq == 0:
         raise AutoSPError("sequence length 0: there is nothing to split over the SP ranks; skip empty batches")
     if seq % ctx.world:
-        # A symbolic length prints as its symbol (s70): say this call's length, which the user knows.
-        raise AutoSPError(
-            f"sequence length {hint(seq)} is not divisible by sp_size={ctx.world}; pad the batch to a multiple "
-            f"of {ctx.world} tokens (mask or ignore the padding in the loss)"
-        )
+        raise AutoSPError(_not_divisible(ctx, seq))
     _drop_sites_not_rewritten(ctx)
     _drop_sites_not_splitting_evenly(ctx)
     for site in ctx.sites:
@@ -217,6 +213,24 @@ def _settle_sequence(ctx: CompileContext, lengths: list, written_out: list[Eager
             dim = guess_seq_dim(x.shape, seq)
             where = f"sequence axis {dim}" if dim is not None else "no sequence axis"
             ctx.report.inputs.append(f"{name} {list(x.shape)}: {where}")
+
+
+def _not_divisible(ctx: CompileContext, seq: int | torch.SymInt) -> str:
+    # A symbolic length prints as its symbol (s70): say this call's length, which the user knows.
+    n = hint(seq)
+    inputs = [x for x, param in zip(ctx.fake_inputs, ctx.is_param) if isinstance(x, torch.Tensor) and not param]
+    if any(guess_seq_dim(x.shape, seq) is not None for x in inputs):
+        return (
+            f"sequence length {n} is not divisible by sp_size={ctx.world}; pad the batch to a multiple "
+            f"of {ctx.world} tokens (mask or ignore the padding in the loss)"
+        )
+    # No input has that length: the model makes the sequence (image patches plus a [CLS] token).
+    return (
+        f"the attention's sequence length {n} is made inside the model (no input has a dimension of {n}: "
+        f"patches or frames plus tokens it adds, such as a [CLS] token) and is not divisible by "
+        f"sp_size={ctx.world}. Choose sizes that make it a multiple of {ctx.world} (another patch count, extra "
+        f"register tokens, or mean pooling instead of a [CLS] token), or an sp_size that divides {n}"
+    )
 
 
 def _longest(ctx: CompileContext, lengths: list) -> int:
