@@ -126,6 +126,26 @@ def input_faults(rank: int, world: int) -> dict[str, Any]:
     out["params_differ_shapes_mode"] = attempt(
         lambda: autosp.compile(drifted, backend="eager", check_inputs="shapes")(_ids(2, 32), _ids(2, 32))
     )
+    # Equal at the first call, apart later. Every rank stepping its optimizer alike keeps running.
+    model = _llama()
+    stepped = autosp.compile(model, backend="eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    out["stepped_alike"] = []
+    for _ in range(2):
+        result = attempt(lambda: stepped(_ids(2, 32), _ids(2, 32)))
+        out["stepped_alike"].append(result)
+        opt.zero_grad()
+        if result["error"] is None:
+            stepped(_ids(2, 32), _ids(2, 32)).backward()
+            opt.step()
+    weight = model.blocks[0].q.weight
+    saved = weight.detach().clone()
+    with torch.no_grad():
+        weight.add_(1e-3 * rank)  # rank 1 alone (a checkpoint loaded there only)
+    out["stepped_apart"] = attempt(lambda: stepped(_ids(2, 32), _ids(2, 32)))
+    with torch.no_grad():
+        weight.copy_(saved)  # its version moved on; its values agree again
+    out["agree_again"] = attempt(lambda: stepped(_ids(2, 32), _ids(2, 32)))
 
     # Ranks seeded apart (seed + rank) with dropout in the program: a mask on the pooled vector
     # would differ between the ranks. Without dropout the same seeding is fine.

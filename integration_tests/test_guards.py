@@ -102,7 +102,8 @@ def test_ranks_holding_different_weights_are_refused(faults):
         _error(
             r["params_differ"],
             "ParameterMismatch",
-            r"hold different parameters or buffers, 1 of \d+ that this graph reads",
+            # The call's check of the model's weights, before the graph's first-run check of what it reads.
+            r"hold different parameters or buffers, 1 of \d+ that (the model holds|this graph reads)",
             r"  blocks\.0\.q\.weight: rank 0 / rank 1\n",
             r"torch\.manual_seed",
         )
@@ -112,6 +113,28 @@ def test_ranks_holding_different_weights_are_refused(faults):
     assert faults[0]["params_differ"]["seconds"] < FAST_S
     # Opting out of content checks opts out of this one too: the program runs (and matches no model).
     assert all(r["params_differ_shapes_mode"]["error"] is None for r in faults)
+
+
+def test_weights_that_part_after_the_first_call_are_refused(faults):
+    # Optimizer steps on every rank: every call runs, the ranks agreeing on the loss.
+    for i in range(2):
+        assert all(r["stepped_alike"][i]["error"] is None for r in faults), [r["stepped_alike"] for r in faults]
+        assert faults[0]["stepped_alike"][i]["loss"] == faults[1]["stepped_alike"][i]["loss"]
+    # A weight changed on rank 1 alone: the next call's input check names it, on every rank.
+    messages = {
+        _error(
+            r["stepped_apart"],
+            "ParameterMismatch",
+            r"hold different parameters or buffers, 1 of \d+ that the model holds",
+            r"  blocks\.0\.q\.weight: rank 0 / rank 1\n",
+            r"step the optimizer and load checkpoints on every SP rank alike",
+        )
+        for r in faults
+    }
+    assert len(messages) == 1
+    # Values are compared, not versions: once they agree again, the program runs again.
+    assert all(r["agree_again"]["error"] is None for r in faults), [r["agree_again"] for r in faults]
+    assert faults[0]["agree_again"]["loss"] == faults[1]["agree_again"]["loss"]
 
 
 def test_ranks_seeded_apart_are_refused_when_the_program_draws_random_numbers(faults):

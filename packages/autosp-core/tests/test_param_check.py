@@ -64,3 +64,34 @@ def test_different_weights_are_named_on_every_rank() -> None:
 )
 def test_state_names_read_like_the_model(placeholder: str, name: str) -> None:
     assert state_name(placeholder) == name
+
+
+def test_state_digest_refingerprints_only_what_changed(monkeypatch) -> None:
+    from autosp import param_check
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    digest = param_check.StateDigest(model)
+    calls: list[tuple[int, ...]] = []
+    real = param_check.fingerprint
+    monkeypatch.setattr(param_check, "fingerprint", lambda t: calls.append(tuple(t.shape)) or real(t))
+    first = digest.fingerprints()
+    names = [n for n, _ in first]
+    assert names == [
+        "0.weight",
+        "0.bias",
+        "1.weight",
+        "1.bias",
+        "1.running_mean",
+        "1.running_var",
+        "1.num_batches_tracked",
+    ]
+    assert len(calls) == len(names)
+    calls.clear()
+    assert digest.fingerprints() == first and calls == []  # nothing changed: nothing recomputed
+    with torch.no_grad():
+        model[0].weight.add_(1.0)  # in place: its version moves
+    second = dict(digest.fingerprints())
+    assert calls == [(16,)] and second["0.weight"] != dict(first)["0.weight"]
+    calls.clear()
+    model[0].bias.data = torch.zeros(4)  # new storage under the same Parameter
+    assert dict(digest.fingerprints())["0.bias"] != dict(first)["0.bias"] and calls == [(4,)]

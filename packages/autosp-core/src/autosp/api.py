@@ -17,7 +17,7 @@ from autosp.hardware import load_profile
 from autosp.hardware_select import HardwareOption
 from autosp.input_check import CheckMode, InputCheck
 from autosp.options import Backend, SPOptions, compile_sync_group, resolve_group
-from autosp.param_check import ParameterCheck, check_state_on_first_run
+from autosp.param_check import ParameterCheck, StateDigest, check_state_on_first_run
 from autosp.registry import get_registry
 from autosp.report import Report
 from autosp.rng_check import refuse_divergent_rng
@@ -288,6 +288,8 @@ def compile(  # noqa: A001 - mirrors torch.compile
             be.input_check,
             be.runs,
             be.reports,
+            # Later calls compare the weights too (optimizer steps, checkpoint loads), with content checks.
+            StateDigest(model) if be.param_check is not None and isinstance(model, torch.nn.Module) else None,
         )
         compiled = guard_compiled(compiled, model, call)
     try:

@@ -31,6 +31,7 @@ from autosp.input_check import (
     InputCheck,
     InputMismatchError,
     Leaf,
+    StateMismatchError,
     flatten_inputs,
     program_state,
     signature_of,
@@ -202,7 +203,9 @@ class GraphRuns:
 class GuardedCall:
     """What ``autosp.compile`` returns runs through this on every SP rank.
 
-    Per call: the input check (one all-gather of four int64 per rank: the inputs' digests and the RNG states', unless ``check_inputs="off"``),
+    Per call: the input check (one all-gather of five int64 per rank: the inputs' digests, the
+    model's weights' (``param_check.StateDigest``, with content checks) and the RNG states', unless
+    ``check_inputs="off"``),
     then the compiled call with Dynamo's recompile limit and suppressed errors made hard errors
     (only during this call, in this thread), then a check that an AutoSP graph ran.
     """
@@ -222,8 +225,10 @@ class GuardedCall:
         check: InputCheck | None,
         runs: GraphRuns,
         reports: Sequence[Any] = (),
+        state: Any = None,
     ) -> None:
         self.fn = fn
+        self.state = state  # a param_check.StateDigest, or None
         self.group = group
         self.check = check
         self.runs = runs
@@ -238,7 +243,8 @@ class GuardedCall:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         leaves = flatten_inputs(args, kwargs, self.signature)
         if self.check is not None:
-            run_check(self.check, [*leaves, *program_state(self.model)])
+            state = self.state.fingerprints() if self.state is not None else None
+            run_check(self.check, [*leaves, *program_state(self.model)], state)
         before = self.runs.count
         try:
             with _hard_dynamo_failures():
@@ -271,13 +277,17 @@ class GuardedCall:
         return out
 
 
-def run_check(check: InputCheck, leaves: list[Leaf]) -> None:
+def run_check(check: InputCheck, leaves: list[Leaf], state: list[tuple[str, int]] | None = None) -> None:
     """The input check, its failures as AutoSP errors (it is the first collective of a call)."""
     try:
         with naming_comm_failures("the input check (the first collective of every call)", check.group):
-            check(leaves)
+            check(leaves, state)
     except InputMismatchError as e:
         raise InputMismatch(str(e)) from None
+    except StateMismatchError as e:
+        from autosp.param_check import ParameterMismatch, mismatch_message  # it imports this module
+
+        raise ParameterMismatch(mismatch_message(e.gathered, e.ranks, "that the model holds")) from None
 
 
 def _graph_input_name(name: str) -> str:

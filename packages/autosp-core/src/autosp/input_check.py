@@ -297,6 +297,17 @@ class InputMismatchError(RuntimeError):
     """Raised (wrapped into ``AutoSPError`` by the caller) with ``mismatch_message``'s text."""
 
 
+class StateMismatchError(RuntimeError):
+    """The inputs agree, the model's parameters or buffers do not (wrapped into ``ParameterMismatch``).
+
+    ``gathered[i]``: SP rank i's ``(name, sample fingerprint)`` list; ``ranks``: their global ranks.
+    """
+
+    def __init__(self, gathered: list[Any], ranks: list[int]) -> None:
+        super().__init__("the SP ranks hold different parameters or buffers")
+        self.gathered, self.ranks = gathered, ranks
+
+
 class InputCheck:
     """One all-gather of a fixed-size digest per call; a second, rich exchange only on a mismatch.
 
@@ -321,10 +332,12 @@ class InputCheck:
             groups.setdefault(row[k], []).append(rank)
         return list(groups.values())
 
-    def __call__(self, leaves: list[Leaf]) -> None:
+    def __call__(self, leaves: list[Leaf], state: list[tuple[str, int]] | None = None) -> None:
+        """``state``: the model's parameters and buffers (``param_check.StateDigest``), compared after the inputs."""
         digest = digest_bytes("\n".join(f"{leaf.path}: {leaf.meta}" for leaf in leaves).encode())
+        state_digest = digest_bytes(repr(state).encode()) if state else 0
         # The generators' digests ride along; rng_check decides whether they must agree.
-        local = torch.tensor([digest, 0, *rng_digests()], dtype=torch.int64, device=self.device)
+        local = torch.tensor([digest, 0, state_digest, *rng_digests()], dtype=torch.int64, device=self.device)
         fps: torch.Tensor | None = None
         contents = [None if leaf.tensor is None else compared(leaf.tensor, self.mode) for leaf in leaves]
         tensors = [c for c in contents if c is not None]
@@ -337,9 +350,13 @@ class InputCheck:
         all_gather_single(rows, local, group=self.group)
         width = local.numel()
         flat = rows.tolist()
-        self.rng_rows = [flat[i + 2 : i + width] for i in range(0, len(flat), width)]
+        self.rng_rows = [flat[i + 3 : i + width] for i in range(0, len(flat), width)]
         values = [flat[i : i + 2] for i in range(0, len(flat), width)]
         if all(v == values[0] for v in values):
+            if len({flat[i + 2] for i in range(0, len(flat), width)}) > 1:
+                gathered_state: list[Any] = [None] * len(self.ranks)
+                dist.all_gather_object(gathered_state, state or [], group=self.group)
+                raise StateMismatchError(gathered_state, self.ranks)
             return
         fp_iter = iter(fps.tolist() if fps is not None else [])
         mine = [
@@ -356,6 +373,7 @@ __all__ = [
     "CheckMode",
     "InputCheck",
     "InputMismatchError",
+    "StateMismatchError",
     "Leaf",
     "collective_device",
     "compared",

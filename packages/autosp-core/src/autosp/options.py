@@ -38,7 +38,8 @@ class SPOptions:
             65,536 evenly spread elements of each floating-point one), "shapes" (no contents),
             "hash" (all the contents of every input tensor) or "off" (``False`` means "off",
             ``True`` "tokens"). With "tokens" and "hash" the first run of each graph also
-            compares a sample of every parameter and buffer it reads (``autosp.param_check``).
+            compares a sample of every parameter and buffer it reads, and every call a sample of
+            every parameter and buffer of the model (``autosp.param_check``).
         timeout: seconds (or a ``timedelta``) after which a collective of AutoSP fails when
             another SP rank does not take part; AutoSP creates its SP group with it. Compiles
             do not count: each compile ends with the ranks agreeing on it, on the world's

@@ -1,4 +1,4 @@
-"""The SP ranks hold the same parameters and buffers when a compiled graph first runs.
+"""The SP ranks hold the same parameters and buffers: when a compiled graph first runs, and at every call.
 
 The contract assumes one model: each rank computes its piece of the sequence with the same
 weights. Ranks whose weights differ (a model built without seeding every rank alike, a checkpoint
@@ -7,8 +7,9 @@ returns a loss that matches no single-device model: silently. DDP and DeepSpeed 
 state when they wrap a model; ``autosp.compile`` alone does not. So the first run of every SP graph
 compares the parameters and buffers it reads across the SP ranks, as the input check compares the
 inputs: one all-gather of one digest, and a second, rich exchange only on a mismatch (every rank
-saw the same digests, so every rank takes it). Later runs skip it: from equal weights the contract
-keeps the gradients, and so the updates, equal.
+saw the same digests, so every rank takes it). From equal weights the contract keeps the gradients
+equal, but user code can still part them later (an optimizer stepped or a checkpoint loaded on some
+ranks only): ``StateDigest`` carries the model's weights into every call's input check.
 
 Each tensor is compared by an evenly spread sample of at most ``SAMPLE`` elements, bitwise: weights
 initialised or loaded differently differ almost everywhere, and the cost stays that of a few
@@ -70,7 +71,9 @@ class ParameterCheck:
         raise ParameterMismatch(mismatch_message(gathered, dist.get_process_group_ranks(group)))
 
 
-def mismatch_message(gathered: list[list[tuple[str, int]]], ranks: list[int]) -> str:
+def mismatch_message(
+    gathered: list[list[tuple[str, int]]], ranks: list[int], holder: str = "that this graph reads"
+) -> str:
     """Which tensors differ, and which ranks agree on each (``gathered[i]``: SP rank i's)."""
     tables = [dict(per_rank) for per_rank in gathered]
     names = list(tables[0])
@@ -89,12 +92,12 @@ def mismatch_message(gathered: list[list[tuple[str, int]]], ranks: list[int]) ->
         lines.append("  (their digests differ, each tensor's fingerprint agrees: a digest collision)")
     return (
         f"the SP ranks (global ranks {ranks}) hold different parameters or buffers, {len(differ)} of "
-        f"{len(names)} that this graph reads:\n" + "\n".join(lines) + "\n"
+        f"{len(names)} {holder}:\n" + "\n".join(lines) + "\n"
         "Every rank of an SP group computes its piece of the sequence with its own copy of the model, so the "
         "copies must be equal, or the result matches no single-device model. Seed every rank alike before "
         "building the model (torch.manual_seed), load the same checkpoint on every rank, or broadcast rank "
-        "0's state (DDP and DeepSpeed do when they wrap the model). check_inputs='shapes' or 'off' skips "
-        "this check."
+        "0's state (DDP and DeepSpeed do when they wrap the model); after the first call, step the optimizer and "
+        "load checkpoints on every SP rank alike. check_inputs='shapes' or 'off' skips this check."
     )
 
 
@@ -118,6 +121,39 @@ def check_state_on_first_run(
     return run
 
 
+class StateDigest:
+    """The model's parameters and buffers as input-check leaves, for every call after the first.
+
+    The first-run check covers a model built or loaded differently; weights can still part later:
+    an optimizer stepped, or a checkpoint loaded, on some SP ranks only. Those ranks would then run
+    the SP program with other weights, silently. So each call's input check (its one all-gather,
+    already paid) also carries a sample fingerprint of every parameter and buffer. A tensor's is
+    recomputed only when the tensor changed since (its version counter, storage, shape or dtype),
+    so a call between optimizer steps costs a walk over the model's tensors, and a step a few
+    small kernels per tensor.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.cache: dict[str, tuple[tuple[Any, ...], int]] = {}
+
+    def fingerprints(self) -> list[tuple[str, int]]:
+        """(name, sample fingerprint) of every parameter and buffer, in the model's order."""
+        named = [
+            (name, t)
+            for name, t in [*self.model.named_parameters(), *self.model.named_buffers()]
+            if _plain_tensor(t) and t.numel()
+        ]
+        keys = [(t._version, t.data_ptr(), tuple(t.shape), t.dtype) for _, t in named]
+        stale = [i for i, ((name, _), key) in enumerate(zip(named, keys)) if self.cache.get(name, (None,))[0] != key]
+        if stale:
+            device = named[stale[0]][1].device
+            fps = torch.stack([fingerprint(spread_sample(named[i][1], SAMPLE)).to(device) for i in stale]).tolist()
+            for i, fp in zip(stale, fps):
+                self.cache[named[i][0]] = (keys[i], fp)
+        return [(name, self.cache[name][1]) for name, _ in named]
+
+
 def _plain_tensor(x: Any) -> bool:
     # A DTensor's local shard legitimately differs between ranks of the mesh it is sharded over.
     return isinstance(x, torch.Tensor) and type(x) in (torch.Tensor, torch.nn.Parameter) and x.device.type != "meta"
@@ -126,6 +162,7 @@ def _plain_tensor(x: Any) -> bool:
 __all__ = [
     "SAMPLE",
     "ParameterCheck",
+    "StateDigest",
     "ParameterMismatch",
     "check_state_on_first_run",
     "mismatch_message",
