@@ -126,6 +126,18 @@ def input_faults(rank: int, world: int) -> dict[str, Any]:
     out["params_differ_shapes_mode"] = attempt(
         lambda: autosp.compile(drifted, backend="eager", check_inputs="shapes")(_ids(2, 32), _ids(2, 32))
     )
+    # backward(retain_graph=True) twice through one forward (two losses sharing it), as in eager.
+    model, reference = _llama(), _llama()
+    loss = autosp.compile(model, backend="aot_eager")(_ids(2, 32), _ids(2, 32))
+    ref_loss = reference(_ids(2, 32), _ids(2, 32))
+    out["retain_graph"] = attempt(lambda: loss.backward(retain_graph=True) or loss.backward() or loss)
+    ref_loss.backward(retain_graph=True)
+    ref_loss.backward()
+    out["retain_graph_grad"] = max(
+        float((p.grad - r.grad).abs().max()) if p.grad is not None else float("inf")
+        for p, r in zip(model.parameters(), reference.parameters())
+    )
+
     # Equal at the first call, apart later. Every rank stepping its optimizer alike keeps running.
     model = _llama()
     stepped = autosp.compile(model, backend="eager")

@@ -115,6 +115,13 @@ def test_ranks_holding_different_weights_are_refused(faults):
     assert all(r["params_differ_shapes_mode"]["error"] is None for r in faults)
 
 
+def test_backward_with_retain_graph_runs_twice_as_in_eager(faults):
+    # The backward is compiled with the forward under SP; a donating one would refuse retain_graph.
+    for r in faults:
+        assert r["retain_graph"]["error"] is None, r["retain_graph"]
+        assert r["retain_graph_grad"] < 1e-5, r["retain_graph_grad"]
+
+
 def test_weights_that_part_after_the_first_call_are_refused(faults):
     # Optimizer steps on every rank: every call runs, the ranks agreeing on the loss.
     for i in range(2):

@@ -215,6 +215,8 @@ def compile_graph(
 
     def stage_compiler(stage: Stage):
         def compile_stage(g: torch.fx.GraphModule, ex: Sequence[Any]):
+            if stage is Stage.BACKWARD:
+                _donate_nothing()
             return make_boxed_func(manager.run(stage, g, ctx).forward)
 
         return compile_stage
@@ -227,6 +229,21 @@ def compile_graph(
         partition_fn=partition,
     )
     return wrap_outputs(compiled, ctx.output_shards, group)
+
+
+def _donate_nothing() -> None:
+    """``backward(retain_graph=True)`` keeps working on a backward compiled with the forward.
+
+    Lazily, torch decides at the first backward whether the backward may reuse the memory of its
+    saved activations (donated buffers): not with ``retain_graph=True``. Compiled with the forward
+    (under SP, see ``autosp.compile_agreement``), the donated list is fixed before that call, and a
+    non-empty one refuses ``retain_graph``, as does the ``None`` a disabled config leaves. Only
+    Inductor reuses donated memory, so other backends donate nothing (an empty list). Inductor keeps
+    donating: torch's error names the switch, ``torch._functorch.config.donated_buffer=False``.
+    """
+    tracing = torch._guards.TracingContext.try_get()
+    if tracing is not None and tracing.fw_metadata is not None:
+        tracing.fw_metadata.bw_donated_idxs = []
 
 
 __all__ = ["compile_graph", "make_context"]
