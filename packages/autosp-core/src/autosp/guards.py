@@ -81,9 +81,17 @@ def not_sharded_message(world: int, reports: Sequence[Any]) -> str:
         "no attention was found in them, so every rank computes the whole sequence (the results are exact, the "
         "memory and time are one device's on every rank)"
         + (f" ({notes[0]})" if notes else "")
-        + ". If the model computes attention in a form AutoSP does not recognise, call it through "
+        + ". If the model computes attention in a form AutoSP does not recognise (attention written with "
+        "torch.einsum is not recognised yet: write its two products with @), call it through "
         "torch.nn.functional.scaled_dot_product_attention (Hugging Face: attn_implementation='sdpa'); "
         "compiled.autosp_reports says what each graph holds."
+        + (
+            f" Dynamo split this program into {len(reports)} graphs: attention that runs at a graph break (a "
+            "print or warnings.warn inside it, as nn.MultiheadAttention warns when given a float attn_mask with "
+            "a bool key_padding_mask) is compiled by none of them; TORCH_LOGS=graph_breaks names each break."
+            if len(reports) > 1
+            else ""
+        )
     )
 
 
