@@ -122,7 +122,7 @@ def check_state_on_first_run(
 
 
 class StateDigest:
-    """The model's parameters and buffers as input-check leaves, for every call after the first.
+    """Sample fingerprints of the model's parameters and buffers, for every call's input check.
 
     The first-run check covers a model built or loaded differently; weights can still part later:
     an optimizer stepped, or a checkpoint loaded, on some SP ranks only. Those ranks would then run
