@@ -64,6 +64,24 @@ class _Steered(torch.nn.Module):
         return self.head(x).square().mean()
 
 
+class _FusedQKV(torch.nn.Module):
+    """nanoGPT's attention: one qkv Linear with a bias, viewed [B, S, 3, H, hd]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(96, 32)
+        self.qkv = torch.nn.Linear(32, 96)
+        self.head = torch.nn.Linear(32, 96)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        b, s, c = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, 4, c // 4).permute(2, 0, 3, 1, 4)
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.head(x + a.transpose(1, 2).reshape(b, s, c)).square().mean()
+
+
 def attempt(fn: Callable[[], Any]) -> dict[str, Any]:
     """Run ``fn``; the exception's type and text (or "ok") and the seconds it took."""
     start = time.perf_counter()
@@ -137,6 +155,14 @@ def input_faults(rank: int, world: int) -> dict[str, Any]:
         float((p.grad - r.grad).abs().max()) if p.grad is not None else float("inf")
         for p, r in zip(model.parameters(), reference.parameters())
     )
+
+    # A length marked dynamic that AutoSP's lowering fixes (a fused qkv projection with a bias):
+    # an AutoSPError that says what to do, not Dynamo's ConstraintViolationError.
+    torch._dynamo.reset()
+    biased = _FusedQKV()
+    ids = _ids(2, 32)
+    torch._dynamo.mark_dynamic(ids, 1)
+    out["dynamic_fixed"] = attempt(lambda: autosp.compile(biased, backend="aot_eager")(ids))
 
     # Equal at the first call, apart later. Every rank stepping its optimizer alike keeps running.
     model = _llama()

@@ -115,6 +115,14 @@ def test_ranks_holding_different_weights_are_refused(faults):
     assert all(r["params_differ_shapes_mode"]["error"] is None for r in faults)
 
 
+def test_a_dynamic_length_the_lowering_fixes_is_an_autosp_error(faults):
+    messages = {
+        _error(r["dynamic_fixed"], "AutoSPError", r"a length marked dynamic", r"Compile without marking it dynamic")
+        for r in faults
+    }
+    assert len(messages) == 1
+
+
 def test_backward_with_retain_graph_runs_twice_as_in_eager(faults):
     # The backward is compiled with the forward under SP; a donating one would refuse retain_graph.
     for r in faults:

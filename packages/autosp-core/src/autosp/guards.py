@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch._dynamo.exc import FailOnRecompileLimitHit
+from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
 
 from autosp.errors import AutoSPError
 from autosp.input_check import (
@@ -261,6 +262,16 @@ class GuardedCall:
             raise EagerFallback(recompile_message(leaves, self.seen)) from e
         except AutoSPError:
             raise
+        except ConstraintViolationError as e:
+            # A length marked dynamic that the graph fixed: AutoSP's lowering can specialise it
+            # (a projection's bias broadcast over it), as can an unmarked input of that length.
+            raise AutoSPError(
+                "a length marked dynamic (torch._dynamo.mark_dynamic) was fixed to this call's value while "
+                "compiling: AutoSP's lowering specialised it for this model, or another input of that length "
+                "was not marked. Compile without marking it dynamic (each new length compiles once, up to "
+                "the recompile limit), or mark every input that carries the length. Dynamo's error: "
+                + str(e).strip().splitlines()[0]
+            ) from e
         except Exception as e:
             if is_comm_failure(e):
                 raise CollectiveFailure(comm_failure_message("a collective of the SP program", self.group, e)) from e
