@@ -162,11 +162,14 @@ def _parse_combo(text: str) -> tuple[str, str, bool]:
     return parts[0], parts[1], parts[2] == "sac=True"
 
 
-def equivalence(device: str, quick: bool, combos_text: tuple[str, ...] = DEFAULT_COMBOS) -> dict[str, Any]:
+def equivalence(
+    device: str, quick: bool, combos: tuple[tuple[str, str, bool], ...] = tuple(map(_parse_combo, DEFAULT_COMBOS))
+) -> dict[str, Any]:
     from autosp_tools.launch import launch
 
     model = TINY if quick else replace(SHIPPED, vocab=512)
-    combos = [("ulysses", "aot_eager", False)] if quick else [_parse_combo(c) for c in combos_text]
+    if quick:
+        combos = (("ulysses", "aot_eager", False),)
     out = {}
     for variant, backend, sac in combos:
         key = f"{variant}/{backend}/sac={sac}"
@@ -364,16 +367,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     out = Path(args.out) if args.out else Path(os.environ.get("OUT", ".")) / "gpu_check.json"
-    combos = ALL_COMBOS if args.combos == "all" else tuple(args.combos.split(","))
-    for c in combos:
-        _parse_combo(c)  # a typo fails here, before any stage runs
+    # Parsed before any stage runs: a typo fails here.
+    combos = tuple(map(_parse_combo, ALL_COMBOS if args.combos == "all" else args.combos.split(",")))
     check = Check(out)
     env = check.stage("env", lambda: env_info(args.device))
     if not env["ok"]:
         print(f"gpu_check: {env['error']}", file=sys.stderr)
         return 2
     stages: dict[str, Callable[[str, bool], Any]] = {
-        "equivalence": functools.partial(equivalence, combos_text=combos),
+        "equivalence": functools.partial(equivalence, combos=combos),
         "sac_kernels": sac_kernels,
         "plan_vs_measured": plan_vs_measured,
         "step_time": step_time,
