@@ -35,3 +35,30 @@ def test_ulysses_chunks_is_checked(bad):
     assert chunk_option({}) == 1 and chunk_option({"ulysses_chunks": 3}) == 3
     with pytest.raises(ConfigError, match=r"ulysses_chunks=.*use an int >= 1"):
         chunk_option({"ulysses_chunks": bad})
+
+
+@pytest.mark.parametrize(("world", "heads", "kv_heads"), [(2, 4, 1), (4, 4, 2), (3, 6, 1)])
+def test_fewer_kv_heads_than_ranks_is_exact_and_leaves_no_fake_tensor_in_the_program(world, heads, kv_heads):
+    # The kv heads are repeated to a multiple of the ranks; the repeated value's global shape once
+    # came from an op traced on the lowering's fake tensor, which the program then took as an input
+    # (unused on CPU, a crash in Inductor's alignment check on CUDA). check_op traces as autosp.shard
+    # does and refuses such a program.
+    import torch
+
+    from autosp.sharding.testing import check_op, shard
+
+    seq, dim = 6 * world, 8
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, heads, seq, dim, generator=gen)
+    k, v = (torch.randn(1, kv_heads, seq, dim, generator=gen) for _ in range(2))
+    site = AttentionSite("op", SDPA, 1, heads, kv_heads, seq, seq, dim, True, None, torch.float32)
+    report = check_op(
+        torch.ops.aten.scaled_dot_product_attention.default,
+        (q, k, v),
+        {"is_causal": True, "enable_gqa": True},
+        placements=[shard(2)] * 3,
+        world=world,
+        expect=[None],
+        context={"attention_rule": ULYSSES.attention_rule, "sites": {"op": site}},
+    )
+    assert any("all_to_all" in c for c in report.collectives), report.collectives

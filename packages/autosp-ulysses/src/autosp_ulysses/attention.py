@@ -24,7 +24,7 @@ from autosp.analysis.attention import AttentionSite
 from autosp.errors import AutoSPError, ConfigError
 from autosp.lowering import sdpa_args
 from autosp.sharding import collectives as C
-from autosp.sharding.context import SPContext, SPValue
+from autosp.sharding.context import SPContext, SPValue, global_like
 from autosp.sharding.placement import Replicate, SeqAxis, Shard, is_even
 from autosp.sharding.redistribute import gather
 
@@ -144,7 +144,7 @@ def _repeat_heads(v: SPValue, hdim: int, r: int) -> SPValue:
     merged[hdim] *= r
     gshape = list(v.gval.shape)
     gshape[hdim] *= r
-    return SPValue(x.expand(shape).reshape(merged), v.placement, v.gval.new_empty(gshape))
+    return SPValue(x.expand(shape).reshape(merged), v.placement, global_like(v.gval, gshape))
 
 
 def kv_heads(ctx: SPContext, v: SPValue, q_heads: int, hdim: int, sdim: int) -> tuple[SPValue, bool]:

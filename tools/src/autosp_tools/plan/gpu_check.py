@@ -141,6 +141,11 @@ def _verify_rank(cfg: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     return {"passed": True, "report": str(report)[:2000]}
 
 
+def _failure(e: BaseException) -> dict[str, str]:
+    """One case's error with where it was raised: a lease rarely has time for a second run to find out."""
+    return {"error": f"{type(e).__name__}: {str(e)[:1000]}", "traceback": traceback.format_exc()[-2500:]}
+
+
 class _Cfg(dict):
     @property
     def nproc(self) -> int:
@@ -179,7 +184,7 @@ def equivalence(
         try:
             out[key] = launch(_verify_rank, cfg)
         except Exception as e:  # noqa: BLE001 - one combination failing is recorded, the others run
-            out[key] = {"passed": False, "error": f"{type(e).__name__}: {str(e)[:1500]}"}
+            out[key] = {"passed": False, **_failure(e)}
     failed = [k for k, v in out.items() if not v.get("passed")]
     if failed:
         raise RuntimeError(f"verify failed for {failed}: {json.dumps(out, default=str)[:3000]}")
@@ -228,7 +233,7 @@ def sac_kernels(device: str, quick: bool) -> dict[str, Any]:
             row["attention forwards in backward"] = on.get("attention forwards in backward")
             row["ok"] = str(row["attention forwards in backward"]) == "0"
         except Exception as e:  # noqa: BLE001 - a kernel this GPU lacks is a result
-            row["error"] = f"{type(e).__name__}: {str(e)[:1000]}"
+            row.update(_failure(e))
         out[kernel] = row
     out["failed"] = [k for k, v in out.items() if not v.get("ok")]
     return out
@@ -265,7 +270,7 @@ def plan_vs_measured(device: str, quick: bool) -> dict[str, Any]:
                         "peak_ratio": p["peak_bytes"] / m["peak_bytes"] if m["peak_bytes"] else None,
                     }
                 except Exception as e:  # noqa: BLE001
-                    out[key] = {"error": f"{type(e).__name__}: {str(e)[:1000]}"}
+                    out[key] = _failure(e)
                 if quick:
                     break
     out["failed"] = [k for k, v in out.items() if "error" in v]
@@ -293,11 +298,11 @@ def step_time(device: str, quick: bool) -> dict[str, Any]:
         try:
             out[f"autosp sac={sac}"] = measure_fake_world(case)
         except Exception as e:  # noqa: BLE001
-            out[f"autosp sac={sac}"] = {"error": f"{type(e).__name__}: {str(e)[:1000]}"}
+            out[f"autosp sac={sac}"] = _failure(e)
     try:
         out["ulysses-compiled (hand-written)"] = _handwritten_step(model, seq, device, dtype, quick)
     except Exception as e:  # noqa: BLE001
-        out["ulysses-compiled (hand-written)"] = {"error": f"{type(e).__name__}: {str(e)[:1000]}"}
+        out["ulysses-compiled (hand-written)"] = _failure(e)
     out["failed"] = [k for k, v in out.items() if "error" in v]
     return out
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +26,19 @@ class SPValue:
     @property
     def ndim(self) -> int:
         return self.gval.dim()
+
+
+def global_like(gval: torch.Tensor, shape: Sequence[Any]) -> torch.Tensor:
+    """A new global value of ``shape`` (``gval``'s dtype and device) made outside the sharded trace.
+
+    Global values are the lowering's fake tensors. An op run on one while ``shard_graph`` traces is
+    recorded, with the fake tensor as a constant that the compiled program then takes as an input
+    (Inductor on CUDA reads its data pointer and fails; see the engine's README).
+    """
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+    with disable_proxy_modes_tracing():
+        return gval.new_empty(list(shape))
 
 
 AttentionRule = Callable[["SPContext", torch.fx.Node, "AttentionSite", tuple, dict], Any]

@@ -239,7 +239,34 @@ def shard_graph(
     from torch._dispatch.python import enable_python_dispatcher
 
     with fake_mode, enable_python_dispatcher():
-        return make_fx(run, pre_dispatch=False)(*fake_inputs)
+        traced = make_fx(run, pre_dispatch=False)(*fake_inputs)
+    refuse_traced_global_values(traced)
+    return traced
 
 
-__all__ = ["evaluate", "evaluate_in_place", "finish", "shard_graph", "written_and_read_later"]
+def refuse_traced_global_values(traced: torch.fx.GraphModule) -> None:
+    """A fake tensor held as a constant means a rule ran an op on a global value under the trace.
+
+    The compiled program would take it as an input every call (Inductor on CUDA reads its data
+    pointer and fails); a rule makes new global values with ``context.global_like`` instead.
+    """
+    from torch._subclasses.fake_tensor import is_fake
+
+    for node in traced.graph.nodes:
+        if node.op == "get_attr" and is_fake(getattr(traced, node.target, None)):
+            users = ", ".join(f"{u.name} ({u.target})" for u in node.users)
+            raise AutoSPError(
+                f"internal: the sharded graph holds a fake tensor {node.target} (used by {users}): a sharding rule "
+                "ran an op on a global value while tracing; make it with autosp.sharding.context.global_like. "
+                "Please report this with the program."
+            )
+
+
+__all__ = [
+    "evaluate",
+    "evaluate_in_place",
+    "finish",
+    "refuse_traced_global_values",
+    "shard_graph",
+    "written_and_read_later",
+]

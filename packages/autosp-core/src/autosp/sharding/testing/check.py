@@ -12,7 +12,7 @@ from torch.utils import _pytree as pytree
 
 from autosp.sharding.context import SPContext, SPValue
 from autosp.sharding.placement import HeadShard, Partial, Placement, Replicate, Shard
-from autosp.sharding.propagate import evaluate, finish
+from autosp.sharding.propagate import evaluate, finish, refuse_traced_global_values
 from autosp.sharding.redistribute import slice_to
 from autosp.sharding.testing.invariants import placement_problem
 from autosp.sharding.testing.layouts import LayoutFn, PlacementSpec, layout_fn, resolve
@@ -211,6 +211,7 @@ class _Plan:
                 fakes = [fake_mode.from_tensor(t.detach()) for t in pieces]
                 with fake_mode, enable_python_dispatcher():
                     traced = make_fx(program, pre_dispatch=False)(*fakes)
+            refuse_traced_global_values(traced)
             tensors = iter(traced(*pieces))
         else:
             tensors = iter(program(*pieces))
@@ -267,7 +268,8 @@ def check_op(
         atol, rtol: tolerances; ``torch.testing.assert_close``'s defaults for the dtype if None.
         seed: seeds the Partial summands and the loss weights.
         trace: trace ``evaluate`` and ``finish`` under ``make_fx`` on fake tensors, as
-            ``autosp.shard`` does (catches a rule that reads tensor data), then run the trace.
+            ``autosp.shard`` does (catches a rule that reads tensor data, or runs an op on a
+            global value), then run the trace.
         context: further ``SPContext`` fields: ``rules`` (default core's table; pass
             ``autosp.registry.get_registry().sharding_rules`` for the plugins' too),
             ``attention_rule`` and ``sites`` (the op's node is named ``"op"``), ``variant_options``.
