@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from autosp import ConfigError, Pass, Stage
+from autosp import AutoSPError, ConfigError, Pass, Stage
 from autosp.passes.core import PASSES
 from autosp.passes.manager import DEBUG_DIR_ENV, DISABLE_ENV, PassManager, PassRecord, order_passes
 
@@ -173,6 +173,34 @@ def test_pass_returning_non_graphmodule_raises():
     pm = PassManager([P("bad", fn=lambda gm, ctx: "oops")])
     with pytest.raises(TypeError, match="pass bad returned str, not a GraphModule"):
         pm.run(Stage.GRAPH, _gm(), CTX)
+
+
+def _with_fake_constant(name: str, fake: torch.Tensor):
+    def leak(gm, ctx):
+        setattr(gm, name, fake)
+        x = next(n for n in gm.graph.nodes if n.op == "placeholder")
+        with gm.graph.inserting_after(x):
+            gm.graph.get_attr(name)
+        gm.recompile()
+
+    return leak
+
+
+def test_a_pass_that_leaves_a_fake_tensor_in_the_program_is_named():
+    # What an op run on a node's meta value while tracing leaves: a fake constant the compiled
+    # program would take as an input every call (Inductor on CUDA reads its data pointer).
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fake = FakeTensorMode().from_tensor(torch.ones(3))
+    pm = PassManager([P("ok"), P("leaky", fn=_with_fake_constant("_tensor_constant0", fake), after=("ok",))])
+    with pytest.raises(AutoSPError, match=r"internal: pass leaky left fake tensors in the program: _tensor_constant0"):
+        pm.run(Stage.GRAPH, _gm(), CTX)
+    # A fake constant the program held before (compiled on fake parameters, as autosp-plan does) is not a leak.
+    gm = _gm()
+    gm.held = fake
+    with gm.graph.inserting_before(next(iter(gm.graph.nodes))):
+        gm.graph.get_attr("held")
+    PassManager([P("ok")]).run(Stage.GRAPH, gm, CTX)
 
 
 def test_debug_dir_dumps_before_and_after(tmp_path, monkeypatch):

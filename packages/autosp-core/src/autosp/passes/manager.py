@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from autosp.errors import ConfigError
+from autosp.analysis.constants import constants, fake_constants
+from autosp.errors import AutoSPError, ConfigError
 
 if TYPE_CHECKING:
     from autosp.context import CompileContext
@@ -137,6 +138,7 @@ class PassManager:
             before = len(gm.graph.nodes)
             if debug_dir:
                 _dump(debug_dir, ctx, p, "before", gm)
+            held = constants(gm)
             start = time.perf_counter()
             out = p.fn(gm, ctx)
             seconds = time.perf_counter() - start
@@ -144,6 +146,12 @@ class PassManager:
                 if not isinstance(out, torch.fx.GraphModule):
                     raise TypeError(f"pass {p.name} returned {type(out).__name__}, not a GraphModule")
                 gm = out
+            leaked = fake_constants(gm, held)
+            if leaked:
+                raise AutoSPError(
+                    f"internal: pass {p.name} left fake tensors in the program: {'; '.join(leaked)} (an op run on a "
+                    "node's meta value while tracing); disable it with AUTOSP_DISABLE_PASSES and report this."
+                )
             after = len(gm.graph.nodes)
             self.records.append(PassRecord(p.name, stage.value, seconds, before, after))
             log.info("pass %s: %.3fs, %d -> %d nodes", p.name, seconds, before, after)

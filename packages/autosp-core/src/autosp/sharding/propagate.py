@@ -18,6 +18,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import has_free_unbacked_symbols
 from torch.utils import _pytree as pytree
 
+from autosp.analysis.constants import constants, fake_constants
 from autosp.analysis.source import user_line
 from autosp.errors import AutoSPError
 from autosp.sharding import collectives as C
@@ -240,26 +241,24 @@ def shard_graph(
 
     with fake_mode, enable_python_dispatcher():
         traced = make_fx(run, pre_dispatch=False)(*fake_inputs)
-    refuse_traced_global_values(traced)
+    refuse_traced_global_values(traced, constants(gm))
     return traced
 
 
-def refuse_traced_global_values(traced: torch.fx.GraphModule) -> None:
-    """A fake tensor held as a constant means a rule ran an op on a global value under the trace.
+def refuse_traced_global_values(traced: torch.fx.GraphModule, known: Sequence[Any] = ()) -> None:
+    """A rule ran an op on a global value under the trace: refuse the program it would leave.
 
-    The compiled program would take it as an input every call (Inductor on CUDA reads its data
-    pointer and fails); a rule makes new global values with ``context.global_like`` instead.
+    A rule makes new global values with ``context.global_like`` instead (see the README).
+    ``known``: the constants of the graph that was traced (fake ones too, when compiling on fake
+    parameters).
     """
-    from torch._subclasses.fake_tensor import is_fake
-
-    for node in traced.graph.nodes:
-        if node.op == "get_attr" and is_fake(getattr(traced, node.target, None)):
-            users = ", ".join(f"{u.name} ({u.target})" for u in node.users)
-            raise AutoSPError(
-                f"internal: the sharded graph holds a fake tensor {node.target} (used by {users}): a sharding rule "
-                "ran an op on a global value while tracing; make it with autosp.sharding.context.global_like. "
-                "Please report this with the program."
-            )
+    leaked = fake_constants(traced, known)
+    if leaked:
+        raise AutoSPError(
+            f"internal: the sharded graph holds fake tensors {'; '.join(leaked)}: a sharding rule ran an op on a "
+            "global value while tracing; make it with autosp.sharding.context.global_like. "
+            "Please report this with the program."
+        )
 
 
 __all__ = [
