@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# AutoSP's GPU checks on a one-GPU machine (about 5 minutes on an H200), one JSON out.
+# AutoSP's GPU checks on a one-GPU machine (about 8 minutes on an H200), one JSON out.
 #
 #   tools/scripts/gpu_wheels.sh        # here, first, where the GPU machine reaches no package index
 #   tools/gpu_check.sh                 # writes $OUT/gpu_check.json (or ./gpu_check.json)
@@ -9,7 +9,9 @@
 # Stages (each recorded even when another fails): env, equivalence (autosp.verify, 2 processes
 # sharing the GPU over gloo), sac_kernels (flash / efficient / cuDNN SDPA: attention saved, never
 # recomputed), plan_vs_measured (autosp-plan against torch.cuda.max_memory_allocated at sp=1 and
-# rank 0 of sp=8 under a fake group), step_time (bf16, AutoSP against compiled hand-written Ulysses).
+# rank 0 of sp=8 under a fake group), step_time (bf16, AutoSP against compiled hand-written Ulysses),
+# overlap_trace (exchanges in flight while CUDA kernels run; gzipped Chrome traces beside the JSON).
+# On the device tool: carry .whl, timeout_s 600; --stages picks a subset when less time is left.
 set -u -o pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 out="${1:-${OUT:-.}/gpu_check.json}"

@@ -66,3 +66,15 @@ def test_a_failing_stage_is_recorded_and_the_others_run(tmp_path):
     data = json.loads((tmp_path / "c.json").read_text())["stages"]
     assert data["boom"]["ok"] is False and "ZeroDivisionError" in data["boom"]["error"]
     assert data["fine"] == {"ok": True, "result": {"x": 1}, "seconds": data["fine"]["seconds"]}
+
+
+def test_overlap_trace_stage_reports_exchanges_and_writes_traces(tmp_path):
+    out = tmp_path / "check.json"
+    rc = gpu_check.main(["--device", "cpu", "--quick", "--out", str(out), "--stages", "overlap_trace"])
+    stage = json.loads(out.read_text())["stages"]["overlap_trace"]
+    assert rc == 0, stage.get("error")
+    lines = stage["result"]["lines"]
+    assert any("aot_eager off" in line and "exchanges" in line for line in lines), lines
+    assert any("step time relative to off" in line for line in lines), lines
+    assert stage["result"]["traces"] == ["aot_eager-off.json.gz", "aot_eager-on.json.gz"]
+    assert all((tmp_path / "overlap_traces" / name).stat().st_size > 0 for name in stage["result"]["traces"])

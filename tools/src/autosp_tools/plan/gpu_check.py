@@ -10,6 +10,8 @@ Stages, each in its own try/except so one failure keeps the others' results:
 * ``plan_vs_measured``: ``autosp-plan``'s saved bytes and peak against ``torch.cuda.max_memory_allocated``
   at sp=1, and for rank 0 of sp=8 run for real under a fake group of 8.
 * ``step_time``: bf16 step time of AutoSP (SAC off/on) against compiled hand-written Ulysses.
+* ``overlap_trace``: ``tools/scripts/overlap_trace.py --device cuda``: the exchanges in flight
+  while CUDA kernels run, with and without the overlap passes, and gzipped Chrome traces.
 
 ``--device cpu --quick`` runs the same code on the CPU with small sizes (a test keeps it working).
 """
@@ -191,6 +193,33 @@ def equivalence(
     return out
 
 
+def overlap_trace(device: str, quick: bool, out: Path) -> dict[str, Any]:
+    """``tools/scripts/overlap_trace.py`` on the device: exchanges in flight while kernels run.
+
+    Needs the checkout (the script is not packaged); rank 0's Chrome traces go gzipped beside ``out``.
+    """
+    import gzip
+    import subprocess
+
+    script = Path(__file__).resolve().parents[3] / "scripts" / "overlap_trace.py"
+    if not script.exists():
+        script = Path.cwd() / "tools" / "scripts" / "overlap_trace.py"
+    traces = out.parent / "overlap_traces"
+    size = ["--seq", "256", "--layers", "1", "--dim", "64", "--heads", "4", "--kv-heads", "2", "--steps", "1"]
+    if not quick:
+        size = ["--seq", "8192", "--layers", "4", "--steps", "3"]
+    cmd = [sys.executable, str(script), "--device", device, "--backends", "aot_eager" if quick else "inductor"]
+    done = subprocess.run([*cmd, *size, "--trace", str(traces)], capture_output=True, text=True, timeout=300)
+    lines = [line for line in done.stdout.splitlines() if line.strip()]
+    if done.returncode:
+        raise RuntimeError(f"overlap_trace.py exited {done.returncode}: {done.stderr[-2500:]}")
+    for trace in traces.glob("*.json"):
+        with trace.open("rb") as src, gzip.open(f"{trace}.gz", "wb") as dst:
+            dst.write(src.read())
+        trace.unlink()
+    return {"lines": lines, "traces": sorted(p.name for p in traces.glob("*.gz"))}
+
+
 def sac_kernels(device: str, quick: bool) -> dict[str, Any]:
     """Per SDPA kernel: saved bytes with SAC on and off, and attention forwards found in the backward."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -363,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="JSON path (default: $OUT/gpu_check.json, else ./gpu_check.json)")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--quick", action="store_true", help="small sizes (the CPU self-test)")
-    ap.add_argument("--stages", default="env,equivalence,sac_kernels,step_time,plan_vs_measured")
+    ap.add_argument("--stages", default="env,equivalence,sac_kernels,step_time,plan_vs_measured,overlap_trace")
     ap.add_argument(
         "--combos",
         default=",".join(DEFAULT_COMBOS),
@@ -384,6 +413,7 @@ def main(argv: list[str] | None = None) -> int:
         "sac_kernels": sac_kernels,
         "plan_vs_measured": plan_vs_measured,
         "step_time": step_time,
+        "overlap_trace": functools.partial(overlap_trace, out=out),
     }
     for name in args.stages.split(","):
         if name in stages:
