@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# AutoSP's GPU checks on a one-GPU machine (about 8 minutes on an H200), one JSON out.
+# AutoSP's GPU checks on a one-GPU machine (about 9 minutes on an H200), one JSON out.
 #
 #   tools/scripts/gpu_wheels.sh        # here, first, where the GPU machine reaches no package index
 #   tools/gpu_check.sh                 # writes $OUT/gpu_check.json (or ./gpu_check.json)
@@ -7,11 +7,12 @@
 #   tools/gpu_check.sh out.json --device cpu --quick   # the CPU self-test of this script
 #
 # Stages (each recorded even when another fails): env, equivalence (autosp.verify, 2 processes
-# sharing the GPU over gloo), sac_kernels (flash / efficient / cuDNN SDPA: attention saved, never
+# sharing the GPU over gloo), flex (FlexAttention's values and gradients), sac_kernels (flash / efficient / cuDNN SDPA: attention saved, never
 # recomputed), plan_vs_measured (autosp-plan against torch.cuda.max_memory_allocated at sp=1 and
 # rank 0 of sp=8 under a fake group), step_time (bf16, AutoSP against compiled hand-written Ulysses),
 # overlap_trace (exchanges in flight while CUDA kernels run; gzipped Chrome traces beside the JSON).
-# On the device tool: carry .whl, timeout_s 600; --stages picks a subset when less time is left.
+# On the device tool (10 minutes a call): carry .whl and run it as two calls, each timeout_s 600,
+#   --stages env,equivalence,flex,plan_vs_measured   then   --stages env,sac_kernels,step_time,overlap_trace
 set -u -o pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 out="${1:-${OUT:-.}/gpu_check.json}"

@@ -78,3 +78,15 @@ def test_overlap_trace_stage_reports_exchanges_and_writes_traces(tmp_path):
     assert any("step time relative to off" in line for line in lines), lines
     assert stage["result"]["traces"] == ["aot_eager-off.json.gz", "aot_eager-on.json.gz"]
     assert all((tmp_path / "overlap_traces" / name).stat().st_size > 0 for name in stage["result"]["traces"])
+
+
+def test_flex_stage_runs_forward_on_the_cpu(tmp_path):
+    # On CUDA the stage checks every gradient too; here it keeps the model, the block mask and the
+    # compile working (torch has no FlexAttention backward on CPU).
+    out = tmp_path / "check.json"
+    rc = gpu_check.main(["--device", "cpu", "--quick", "--out", str(out), "--stages", "flex"])
+    stage = json.loads(out.read_text())["stages"]["flex"]
+    assert rc == 0, stage.get("error")
+    assert set(stage["result"]) == {"ulysses/aot_eager", "ring/aot_eager"}
+    for result in stage["result"].values():
+        assert result["passed"] and result["forward_only"] and result["loss_diff"] <= 1e-5, result

@@ -5,6 +5,8 @@ Stages, each in its own try/except so one failure keeps the others' results:
 * ``env``: torch, CUDA, the device and its memory.
 * ``equivalence``: ``autosp.verify`` (the SP program against single-device eager, values and
   every gradient) with 2 processes sharing the GPU over gloo, per variant and backend.
+* ``flex``: FlexAttention (a per-head ``score_mod``, a packed-documents block mask) under Ulysses
+  and ring, values and every gradient (the CPU has no Flex backward: forward only there).
 * ``sac_kernels``: with each CUDA SDPA kernel forced (flash, efficient, cuDNN), SAC on must save
   the attention outputs and never run an attention forward in the backward.
 * ``plan_vs_measured``: ``autosp-plan``'s saved bytes and peak against ``torch.cuda.max_memory_allocated``
@@ -190,6 +192,25 @@ def equivalence(
     failed = [k for k, v in out.items() if not v.get("passed")]
     if failed:
         raise RuntimeError(f"verify failed for {failed}: {json.dumps(out, default=str)[:3000]}")
+    return out
+
+
+def flex(device: str, quick: bool) -> dict[str, Any]:
+    """FlexAttention (score_mod, document block mask) under each variant: values and gradients on CUDA."""
+    from autosp_tools.launch import launch
+    from autosp_tools.plan.gpu_flex import flex_rank
+
+    out: dict[str, Any] = {}
+    for variant in ("ulysses", "ring"):
+        backend = "inductor" if device == "cuda" else "aot_eager"
+        cfg = _Cfg(device=device, seq=128 if quick else 1024, backend=backend, variant=variant, world=2)
+        try:
+            out[f"{variant}/{backend}"] = launch(flex_rank, cfg)
+        except Exception as e:  # noqa: BLE001 - one variant failing is recorded, the other runs
+            out[f"{variant}/{backend}"] = {"passed": False, **_failure(e)}
+    failed = [k for k, v in out.items() if not v.get("passed")]
+    if failed:
+        raise RuntimeError(f"flex failed for {failed}: {json.dumps(out, default=str)[:3000]}")
     return out
 
 
@@ -392,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="JSON path (default: $OUT/gpu_check.json, else ./gpu_check.json)")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--quick", action="store_true", help="small sizes (the CPU self-test)")
-    ap.add_argument("--stages", default="env,equivalence,sac_kernels,step_time,plan_vs_measured,overlap_trace")
+    ap.add_argument("--stages", default="env,equivalence,flex,sac_kernels,step_time,plan_vs_measured,overlap_trace")
     ap.add_argument(
         "--combos",
         default=",".join(DEFAULT_COMBOS),
@@ -414,6 +435,7 @@ def main(argv: list[str] | None = None) -> int:
         "plan_vs_measured": plan_vs_measured,
         "step_time": step_time,
         "overlap_trace": functools.partial(overlap_trace, out=out),
+        "flex": flex,
     }
     for name in args.stages.split(","):
         if name in stages:
