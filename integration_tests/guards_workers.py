@@ -246,6 +246,19 @@ def input_faults(rank: int, world: int) -> dict[str, Any]:
     out["changed_first"] = attempt(lambda: compiled(_ids(2, 32)))
     changing.scale = 1.0 + rank
     out["changed_later"] = attempt(lambda: compiled(_ids(2, 32)))
+    # A forward hook registered after the first call: Dynamo, not guarding module hooks by default,
+    # kept the first graph and skipped the hook, on every rank (and on the ranks that had it).
+    hooked = _Steered(1.0)
+    reference = copy.deepcopy(hooked)
+    compiled = autosp.compile(hooked, backend="eager")
+    out["hook_first"] = attempt(lambda: compiled(_ids(2, 32)))
+    for m in (hooked, reference):
+        m.qkv.register_forward_hook(lambda mod, args, y: y * 2)
+    out["hook_everywhere"] = attempt(lambda: compiled(_ids(2, 32)))
+    out["hook_reference"] = float(reference(_ids(2, 32)))
+    if rank == 1:
+        hooked.head.register_forward_hook(lambda mod, args, y: y + 1)
+    out["hook_one_rank"] = attempt(lambda: compiled(_ids(2, 32)))
     # Called under no_grad on one rank only: Dynamo would compile another graph there (once a hang).
     same = autosp.compile(_Steered(1.0), backend="eager")
     with torch.no_grad() if rank == 1 else contextlib.nullcontext():

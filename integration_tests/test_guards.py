@@ -245,6 +245,15 @@ def test_programs_that_differ_between_ranks_are_refused(faults):
     for r in faults:
         _error(r["changed_later"], "ProgramMismatch", r"global ranks \[0\]; global ranks \[1\]")
         assert r["changed_later"]["seconds"] < FAST_S, r["changed_later"]
+    # A hook registered after the first call (once silently skipped): on every rank it runs, as
+    # in eager; on one rank only, the programs differ and both ranks refuse at once.
+    for r in faults:
+        assert r["hook_first"]["error"] is None, r["hook_first"]
+        assert r["hook_everywhere"]["error"] is None, r["hook_everywhere"]
+        assert r["hook_everywhere"]["loss"] == pytest.approx(r["hook_reference"], rel=1e-5)
+        assert r["hook_everywhere"]["loss"] != pytest.approx(r["hook_first"]["loss"], rel=1e-3)
+        _error(r["hook_one_rank"], "ProgramMismatch", r"global ranks \[0\]; global ranks \[1\]")
+        assert r["hook_one_rank"]["seconds"] < FAST_S, r["hook_one_rank"]
     # The same through a settings object passed in: its attributes are compared with the inputs.
     for r in faults:
         _error(

@@ -175,8 +175,12 @@ def recompile_message(leaves: Sequence[Leaf], seen: Sequence[str]) -> str:
 
 @contextlib.contextmanager
 def _hard_dynamo_failures() -> Iterator[None]:
-    """Dynamo's recompile limit and compile errors raise instead of falling back to eager, and a
-    DDP-wrapped model is traced whole.
+    """Dynamo's recompile limit and compile errors raise instead of falling back to eager, a
+    DDP-wrapped model is traced whole, and module hooks are guarded.
+
+    Dynamo by default does not guard on modules' hook dicts (``skip_nnmodule_hook_guards``): a hook
+    registered after the first call would be silently ignored, or, registered on some ranks only,
+    run on none. Guarded, a new hook recompiles, and the compile agreement compares the programs.
 
     Dynamo's DDPOptimizer would cut the graph at DDP's gradient buckets and run each piece's
     compiled program once on fake tensors: AutoSP's pieces would each lose the others' attention,
@@ -186,12 +190,13 @@ def _hard_dynamo_failures() -> Iterator[None]:
     values are context variables in torch 2.13, so other threads are not affected.
     """
     cfg = torch._dynamo.config
-    saved = cfg.fail_on_recompile_limit_hit, cfg.suppress_errors, cfg.optimize_ddp
+    saved = cfg.fail_on_recompile_limit_hit, cfg.suppress_errors, cfg.optimize_ddp, cfg.skip_nnmodule_hook_guards
     cfg.fail_on_recompile_limit_hit, cfg.suppress_errors, cfg.optimize_ddp = True, False, False
+    cfg.skip_nnmodule_hook_guards = False
     try:
         yield
     finally:
-        cfg.fail_on_recompile_limit_hit, cfg.suppress_errors, cfg.optimize_ddp = saved
+        cfg.fail_on_recompile_limit_hit, cfg.suppress_errors, cfg.optimize_ddp, cfg.skip_nnmodule_hook_guards = saved
 
 
 class GraphRuns:
