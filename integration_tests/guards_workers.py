@@ -326,6 +326,37 @@ def rank_raises(rank: int, world: int, timeout: float) -> dict[str, Any]:
     return out
 
 
+def steps_apart(rank: int, world: int) -> dict[str, Any]:
+    """Ranks whose steps part: an extra forward on rank 0 (an evaluation there only), then a
+    backward skipped on rank 1. Each once paired one rank's collectives with another's and waited
+    until the group's timeout (or, the forward's exchanges alike, ran and hung in the next step)."""
+    ids = _ids(2, 32)
+    out: dict[str, Any] = {}
+    compiled = autosp.compile(_llama(), backend="eager")
+    out["first"] = attempt(lambda: compiled(ids, ids).backward())
+    out["first_loss"] = float(_llama()(ids, ids))  # the single-device loss of a fresh model
+    if rank == 0:
+        out["extra"] = attempt(lambda: compiled(ids, ids))  # grad mode on, the training batch: nothing differs
+    # Rank 0 calls the forward while rank 1 is in the backward of the same step.
+    out["extra_next"] = attempt(lambda: compiled(ids, ids).backward())
+
+    compiled = autosp.compile(_llama(), backend="eager")
+    loss = compiled(ids, ids)
+    if rank == 0:
+        out["skip"] = attempt(loss.backward)
+    else:
+        out["skip"] = attempt(lambda: compiled(ids, ids))  # no backward: straight to the next forward
+
+    # In step again: a full step on every rank runs.
+    def step() -> torch.Tensor:
+        loss = compiled(ids, ids)
+        loss.backward()
+        return loss
+
+    out["after"] = attempt(step)
+    return out
+
+
 def groups_after_destroy(rank: int, world: int) -> dict[str, Any]:
     """Compiled programs on subgroups (hybrid's, sp_size < world, a user's), then destroy_process_group.
 

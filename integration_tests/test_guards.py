@@ -209,10 +209,28 @@ def test_rank_that_raises_and_stays_alive():
         assert "Timed out" in msg
         # Bounded by the SP group's timeout, not gloo's 30 minutes.
         assert TIMEOUT_S * 0.9 <= r0[key]["seconds"] < TIMEOUT_S + FAST_S, r0[key]
-    # A collective in the backward fails within the timeout too, with gloo's own message.
+    # A backward fails within the timeout too, at its first collective (the step check).
     back = r0["backward"]
-    assert back["error"] == "RuntimeError" and "Timed out" in back["message"], back
+    _error(back, "CollectiveFailure", r"global rank 0: the backward's step check", r"raised an error, exited or hangs")
     assert TIMEOUT_S * 0.9 <= back["seconds"] < TIMEOUT_S + FAST_S, back
+
+
+def test_ranks_whose_steps_part_are_refused_at_once():
+    r0, r1 = run_spmd(guards_workers.steps_apart, 2, fresh=True)
+    for r in (r0, r1):
+        assert r["first"]["error"] is None, r["first"]
+    assert r0["extra"]["error"] is None  # the extra forward itself pairs with rank 1's next forward
+    # Rank 0's next forward meets rank 1's backward: both refuse in the same all-gather.
+    expected = r"global ranks \[1\] are in its backward while global ranks \[0\] called it"
+    for r in (r0, r1):
+        _error(r["extra_next"], "StepMismatch", expected, r"Evaluate on every rank")
+        assert r["extra_next"]["seconds"] < FAST_S, r["extra_next"]
+    # Rank 1 skips a backward: rank 0's backward meets rank 1's next forward.
+    for r in (r0, r1):
+        _error(r["skip"], "StepMismatch", r"global ranks \[0\] are in its backward while global ranks \[1\]")
+        assert r["skip"]["seconds"] < FAST_S, r["skip"]
+        assert r["after"]["error"] is None, r["after"]
+    assert r0["after"]["loss"] == r1["after"]["loss"] == pytest.approx(r0["first_loss"], rel=1e-6)
 
 
 def test_groups_are_not_kept_alive_past_destroy_process_group():

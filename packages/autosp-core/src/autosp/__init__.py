@@ -12,7 +12,14 @@ from autosp.analysis.attention import AttentionSite, AttentionSpec
 from autosp.api import AutoSPBackend, backend, compile, explain
 from autosp.compile_agreement import CompileFailed, ProgramMismatch
 from autosp.errors import AutoSPError, ConfigError, VerificationError
-from autosp.guards import AttentionNotSharded, CollectiveFailure, EagerFallback, InputMismatch, NotSequenceParallel
+from autosp.guards import (
+    AttentionNotSharded,
+    CollectiveFailure,
+    EagerFallback,
+    InputMismatch,
+    NotSequenceParallel,
+    StepMismatch,
+)
 from autosp.hardware import HardwareProfile
 from autosp.hookspecs import hookimpl
 from autosp.options import SPOptions
@@ -47,6 +54,7 @@ __all__ = [
     "NotSequenceParallel",
     "ParameterMismatch",
     "ProgramMismatch",
+    "StepMismatch",
     "RandomStateMismatch",
     "Pass",
     "Report",

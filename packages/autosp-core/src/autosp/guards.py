@@ -33,6 +33,7 @@ from autosp.input_check import (
     InputMismatchError,
     Leaf,
     StateMismatchError,
+    StepMismatchError,
     flatten_inputs,
     program_state,
     signature_of,
@@ -57,6 +58,10 @@ _MAX_SEEN = 12
 
 class InputMismatch(AutoSPError):
     """The SP ranks were called with different inputs (shapes, dtypes or contents, as ``check_inputs`` compares)."""
+
+
+class StepMismatch(AutoSPError):
+    """Some SP ranks ran a backward of the compiled program while others called it: their steps differ."""
 
 
 class CollectiveFailure(AutoSPError):
@@ -298,6 +303,8 @@ class GuardedCall:
         shapes = _shapes(leaves)
         if len(self.seen) < _MAX_SEEN and shapes not in self.seen:
             self.seen.append(shapes)
+        if self.check is not None:
+            check_backward(self.check, out)
         return out
 
 
@@ -308,10 +315,37 @@ def run_check(check: InputCheck, leaves: list[Leaf], state: list[tuple[str, int]
             check(leaves, state)
     except InputMismatchError as e:
         raise InputMismatch(str(e)) from None
+    except StepMismatchError as e:
+        raise StepMismatch(str(e)) from None
     except StateMismatchError as e:
         from autosp.param_check import ParameterMismatch, mismatch_message  # it imports this module
 
         raise ParameterMismatch(mismatch_message(e.gathered, e.ranks, "that the model holds")) from None
+
+
+def check_backward(check: InputCheck, out: Any) -> None:
+    """Start each backward through ``out`` with the input check's all-gather, marked as a backward.
+
+    A rank that skipped a backward (or ran an extra forward) would otherwise pair its next call's
+    collectives with the other ranks' backward ones and wait until the timeout; meeting in the
+    same all-gather, every rank raises ``StepMismatch`` at once. A hook on the outputs, not an op in
+    the backward graph: it runs before any of the call's graphs' backwards, graph breaks included.
+    """
+    from torch.utils import _pytree as pytree
+
+    # Plain tensors only (a DTensor's gradient arrives through its own local tensor).
+    tensors = [t for t in pytree.tree_leaves(out) if type(t) is torch.Tensor and t.requires_grad]
+    if not tensors:
+        return
+
+    def at_backward(_grad: Any) -> None:
+        try:
+            with naming_comm_failures("the backward's step check (its first collective)", check.group):
+                check.backward()
+        except StepMismatchError as e:
+            raise StepMismatch(str(e)) from None
+
+    torch.autograd.graph.register_multi_grad_hook(tensors, at_backward, mode="any")
 
 
 def _graph_input_name(name: str) -> str:
@@ -342,7 +376,9 @@ def guard_graph(
                 leaves.append(Leaf(name, f"{type(x).__name__} {int(x) if isinstance(x, torch.SymInt) else x!r}"))
         run_check(check, leaves)
         with naming_comm_failures("a collective of the SP program", check.group):
-            return fn(*args)
+            out = fn(*args)
+        check_backward(check, out)
+        return out
 
     return run
 
@@ -367,6 +403,8 @@ __all__ = [
     "GuardedCall",
     "InputMismatch",
     "NotSequenceParallel",
+    "StepMismatch",
+    "check_backward",
     "comm_failure_message",
     "guard_compiled",
     "guard_graph",

@@ -308,10 +308,30 @@ class StateMismatchError(RuntimeError):
         self.gathered, self.ranks = gathered, ranks
 
 
+class StepMismatchError(RuntimeError):
+    """Some SP ranks are in a backward while others called the forward (wrapped into ``StepMismatch``)."""
+
+    def __init__(self, backward: list[int], forward: list[int]) -> None:
+        super().__init__(
+            f"the SP ranks are at different steps of the compiled program: global ranks {backward} are in its "
+            f"backward while global ranks {forward} called it (a forward). Every rank must run the same forwards "
+            "and backwards in the same order, or one rank's collectives meet another's: an evaluation or a "
+            "backward on some ranks only (if rank == 0: ...) does that. Evaluate on every rank, or on one rank "
+            "with the model itself (not the compiled one), which runs no collective."
+        )
+
+
+# The first int64 of a backward's row: the same all-gather as a forward's input check, so a rank in
+# a backward and a rank at a forward meet in it and both see the difference, instead of pairing
+# their programs' collectives (a hang until the timeout).
+BACKWARD_MARK = -0x4241434B57415244
+
+
 class InputCheck:
     """One all-gather of a fixed-size digest per call; a second, rich exchange only on a mismatch.
 
     The second exchange is safe: every rank saw the same gathered digests, so every rank takes it.
+    Each backward through a call's outputs begins with the same all-gather, marked (``backward``).
     """
 
     group = WeakGroup()
@@ -350,6 +370,7 @@ class InputCheck:
         all_gather_single(rows, local, group=self.group)
         width = local.numel()
         flat = rows.tolist()
+        self._refuse_steps_apart(flat, width)
         self.rng_rows = [flat[i + 3 : i + width] for i in range(0, len(flat), width)]
         values = [flat[i : i + 2] for i in range(0, len(flat), width)]
         if all(v == values[0] for v in values):
@@ -367,13 +388,31 @@ class InputCheck:
         dist.all_gather_object(gathered, mine, group=self.group)
         raise InputMismatchError(mismatch_message(gathered, self.ranks))
 
+    def backward(self) -> None:
+        """At the start of a backward through a checked call's outputs: every rank must be in one too."""
+        width = 3 + len(DEVICE_TYPES)  # a forward's row: digest, contents, state, the generators
+        local = torch.zeros(width, dtype=torch.int64, device=self.device)
+        local[0] = BACKWARD_MARK
+        rows = local.repeat(len(self.ranks))
+        all_gather_single(rows, local, group=self.group)
+        self._refuse_steps_apart(rows.tolist(), width)
+
+    def _refuse_steps_apart(self, flat: list[int], width: int) -> None:
+        marked = [flat[i] == BACKWARD_MARK for i in range(0, len(flat), width)]
+        if any(marked) and not all(marked):
+            raise StepMismatchError(
+                [r for r, m in zip(self.ranks, marked) if m], [r for r, m in zip(self.ranks, marked) if not m]
+            )
+
 
 __all__ = [
+    "BACKWARD_MARK",
     "CHECK_MODES",
     "CheckMode",
     "InputCheck",
     "InputMismatchError",
     "StateMismatchError",
+    "StepMismatchError",
     "Leaf",
     "collective_device",
     "compared",
