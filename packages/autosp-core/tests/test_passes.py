@@ -177,7 +177,7 @@ def test_pass_returning_non_graphmodule_raises():
 
 def _with_fake_constant(name: str, fake: torch.Tensor):
     def leak(gm, ctx):
-        setattr(gm, name, fake)
+        gm.register_buffer(name, fake)
         x = next(n for n in gm.graph.nodes if n.op == "placeholder")
         with gm.graph.inserting_after(x):
             gm.graph.get_attr(name)
@@ -197,7 +197,7 @@ def test_a_pass_that_leaves_a_fake_tensor_in_the_program_is_named():
         pm.run(Stage.GRAPH, _gm(), CTX)
     # A fake constant the program held before (compiled on fake parameters, as autosp-plan does) is not a leak.
     gm = _gm()
-    gm.held = fake
+    gm.register_buffer("held", fake)
     with gm.graph.inserting_before(next(iter(gm.graph.nodes))):
         gm.graph.get_attr("held")
     PassManager([P("ok")]).run(Stage.GRAPH, gm, CTX)
