@@ -326,6 +326,47 @@ def rank_raises(rank: int, world: int, timeout: float) -> dict[str, Any]:
     return out
 
 
+class _Logits(torch.nn.Module):
+    """Embedding, one causal SDPA layer, an LM head: returns logits, the loss computed by the caller."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.qkv, self.head = torch.nn.Embedding(96, 16), torch.nn.Linear(16, 48), torch.nn.Linear(16, 96)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        q, k, v = self.qkv(x).view(*ids.shape, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        return self.head(
+            x + torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2)
+        )
+
+
+def gradients_apart(rank: int, world: int) -> dict[str, Any]:
+    """Ranks backpropagating different gradients into the same outputs: a loss scaled per rank (a
+    micro-batch count of its own), and a loss computed outside the program from per-rank labels.
+    Both once gave every rank the gradients of another loss, silently."""
+    ids = _ids(2, 32)
+    out: dict[str, Any] = {}
+    compiled = autosp.compile(_llama(), backend="eager")
+    out["scaled"] = attempt(lambda: (compiled(ids, ids) / (1 + rank)).backward())
+    model, reference = _Logits(), _Logits()
+    logits_of = autosp.compile(model, backend="eager")
+    ce = torch.nn.functional.cross_entropy
+    out["labels_apart"] = attempt(
+        lambda: ce(logits_of(ids).flatten(0, 1), _ids(2, 32, seed=1 + rank).flatten()).backward()
+    )
+    model.zero_grad()
+    # The same labels on every rank: the single-device gradients.
+    labels = _ids(2, 32, seed=1)
+    out["labels_alike"] = attempt(lambda: ce(logits_of(ids).flatten(0, 1), labels.flatten()).backward())
+    ce(reference(ids).flatten(0, 1), labels.flatten()).backward()
+    out["labels_alike_grad"] = max(
+        float((a.grad - b.grad).abs().max()) for a, b in zip(model.parameters(), reference.parameters())
+    )
+    return out
+
+
 def steps_apart(rank: int, world: int) -> dict[str, Any]:
     """Ranks whose steps part: an extra forward on rank 0 (an evaluation there only), then a
     backward skipped on rank 1. Each once paired one rank's collectives with another's and waited

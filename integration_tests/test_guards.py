@@ -233,6 +233,20 @@ def test_ranks_whose_steps_part_are_refused_at_once():
     assert r0["after"]["loss"] == r1["after"]["loss"] == pytest.approx(r0["first_loss"], rel=1e-6)
 
 
+def test_ranks_backpropagating_different_gradients_are_refused():
+    for r in run_spmd(guards_workers.gradients_apart, 2, fresh=True):
+        for key in ("scaled", "labels_apart"):
+            _error(
+                r[key],
+                "GradientMismatch",
+                r"differs between the SP ranks \(global ranks \[0\] / global ranks \[1\]\)",
+                r"scaled alike",
+            )
+            assert r[key]["seconds"] < FAST_S, r[key]
+        assert r["labels_alike"]["error"] is None, r["labels_alike"]
+        assert r["labels_alike_grad"] < 1e-6, r
+
+
 def test_groups_are_not_kept_alive_past_destroy_process_group():
     # A group kept alive past destroy_process_group is torn down at interpreter exit, where gloo
     # can abort the process; and a call after it must say what happened.

@@ -29,6 +29,7 @@ from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
 
 from autosp.errors import AutoSPError
 from autosp.input_check import (
+    GradientMismatchError,
     InputCheck,
     InputMismatchError,
     Leaf,
@@ -62,6 +63,10 @@ class InputMismatch(AutoSPError):
 
 class StepMismatch(AutoSPError):
     """Some SP ranks ran a backward of the compiled program while others called it: their steps differ."""
+
+
+class GradientMismatch(AutoSPError):
+    """The SP ranks backpropagated different gradients into the compiled program (another loss per rank)."""
 
 
 class CollectiveFailure(AutoSPError):
@@ -324,12 +329,16 @@ def run_check(check: InputCheck, leaves: list[Leaf], state: list[tuple[str, int]
 
 
 def check_backward(check: InputCheck, out: Any) -> None:
-    """Start each backward through ``out`` with the input check's all-gather, marked as a backward.
+    """Start each backward through ``out`` with the input check's all-gather, marked as a backward,
+    carrying statistics of the incoming gradient.
 
     A rank that skipped a backward (or ran an extra forward) would otherwise pair its next call's
     collectives with the other ranks' backward ones and wait until the timeout; meeting in the
-    same all-gather, every rank raises ``StepMismatch`` at once. A hook on the outputs, not an op in
-    the backward graph: it runs before any of the call's graphs' backwards, graph breaks included.
+    same all-gather, every rank raises ``StepMismatch`` at once. And the outputs are the same on
+    every rank, so their gradients must be: a loss scaled or labelled per rank would give every
+    rank the gradients of another loss, silently (``GradientMismatch``). A hook on the outputs, not
+    an op in the backward graph: it runs before any of the call's graphs' backwards, graph breaks
+    included.
     """
     from torch.utils import _pytree as pytree
 
@@ -338,12 +347,14 @@ def check_backward(check: InputCheck, out: Any) -> None:
     if not tensors:
         return
 
-    def at_backward(_grad: Any) -> None:
+    def at_backward(grad: Any) -> None:
         try:
             with naming_comm_failures("the backward's step check (its first collective)", check.group):
-                check.backward()
+                check.backward(grad if isinstance(grad, torch.Tensor) else None)
         except StepMismatchError as e:
             raise StepMismatch(str(e)) from None
+        except GradientMismatchError as e:
+            raise GradientMismatch(str(e)) from None
 
     torch.autograd.graph.register_multi_grad_hook(tensors, at_backward, mode="any")
 
@@ -399,6 +410,7 @@ __all__ = [
     "AttentionNotSharded",
     "CollectiveFailure",
     "EagerFallback",
+    "GradientMismatch",
     "GraphRuns",
     "GuardedCall",
     "InputMismatch",

@@ -321,6 +321,50 @@ class StepMismatchError(RuntimeError):
         )
 
 
+class GradientMismatchError(RuntimeError):
+    """The gradients flowing into a backward differ between the SP ranks (wrapped into ``GradientMismatch``)."""
+
+    def __init__(self, groups: list[list[int]]) -> None:
+        apart = " / ".join(f"global ranks {g}" for g in groups)
+        super().__init__(
+            f"the gradient flowing into the compiled program's backward differs between the SP ranks ({apart}). "
+            "Every rank returns the same outputs, so every rank must backpropagate the same function of them: "
+            "the same loss, scaled alike (a micro-batch or token count that differs per rank, a loss weight), "
+            "computed from the same labels (not a per-rank shard of them). Otherwise each rank's gradients are "
+            "those of another loss, and none is the single-device gradient."
+        )
+
+
+# Relative difference of the incoming gradient's statistics that counts as different: far above
+# the order-of-summation noise of a nondeterministic kernel computing the loss from the outputs.
+_GRAD_RTOL = 1e-5
+
+
+def _gradient_stats(grad: torch.Tensor | None) -> list[float]:
+    """Three float64 sums over a spread sample of ``grad``: plain, squared, position-weighted."""
+    if grad is None or grad.numel() == 0:
+        return [0.0, 0.0, 0.0]
+    x = spread_sample(grad, _SAMPLE).to(torch.float64)
+    if x.is_complex():
+        x = torch.view_as_real(x).reshape(-1)
+    w = torch.cos(torch.arange(x.numel(), dtype=torch.float64, device=x.device) * 0.618)
+    return torch.stack([x.sum(), x.square().sum(), (x * w).sum()]).tolist()
+
+
+def _stats_apart(rows: list[list[float]]) -> list[list[int]]:
+    """Indices of the ranks grouped by statistics equal within ``_GRAD_RTOL`` (one group: they agree)."""
+    groups: list[list[int]] = []
+    for i, row in enumerate(rows):
+        for g in groups:
+            ref = rows[g[0]]
+            if all(abs(a - b) <= _GRAD_RTOL * max(abs(a), abs(b)) + 1e-30 for a, b in zip(row, ref)):
+                g.append(i)
+                break
+        else:
+            groups.append([i])
+    return groups
+
+
 # The first int64 of a backward's row: the same all-gather as a forward's input check, so a rank in
 # a backward and a rank at a forward meet in it and both see the difference, instead of pairing
 # their programs' collectives (a hang until the timeout).
@@ -388,14 +432,22 @@ class InputCheck:
         dist.all_gather_object(gathered, mine, group=self.group)
         raise InputMismatchError(mismatch_message(gathered, self.ranks))
 
-    def backward(self) -> None:
-        """At the start of a backward through a checked call's outputs: every rank must be in one too."""
+    def backward(self, grad: torch.Tensor | None) -> None:
+        """At the start of a backward through a checked call's outputs: every rank must be in one
+        too, with the same incoming gradient (``grad``, the first output's to arrive)."""
         width = 3 + len(DEVICE_TYPES)  # a forward's row: digest, contents, state, the generators
-        local = torch.zeros(width, dtype=torch.int64, device=self.device)
+        stats = torch.tensor(_gradient_stats(grad), dtype=torch.float64)
+        local = torch.zeros(width, dtype=torch.int64)
         local[0] = BACKWARD_MARK
+        local[1:4] = stats.view(torch.int64)  # the float64 sums' bits ride in the int64 row
+        local = local.to(self.device)
         rows = local.repeat(len(self.ranks))
         all_gather_single(rows, local, group=self.group)
-        self._refuse_steps_apart(rows.tolist(), width)
+        table = rows.cpu().view(len(self.ranks), width)
+        self._refuse_steps_apart(table.reshape(-1).tolist(), width)
+        groups = _stats_apart(table[:, 1:4].contiguous().view(torch.float64).tolist())
+        if len(groups) > 1:
+            raise GradientMismatchError([[self.ranks[i] for i in g] for g in groups])
 
     def _refuse_steps_apart(self, flat: list[int], width: int) -> None:
         marked = [flat[i] == BACKWARD_MARK for i in range(0, len(flat), width)]
@@ -409,6 +461,7 @@ __all__ = [
     "BACKWARD_MARK",
     "CHECK_MODES",
     "CheckMode",
+    "GradientMismatchError",
     "InputCheck",
     "InputMismatchError",
     "StateMismatchError",
