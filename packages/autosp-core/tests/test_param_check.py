@@ -95,3 +95,18 @@ def test_state_digest_refingerprints_only_what_changed(monkeypatch) -> None:
     calls.clear()
     model[0].bias.data = torch.zeros(4)  # new storage under the same Parameter
     assert dict(digest.fingerprints())["0.bias"] != dict(first)["0.bias"] and calls == [(4,)]
+
+
+def test_a_row_added_to_a_table_is_compared() -> None:
+    # resize_token_embeddings on ranks seeded apart: the new token's row differs in every element,
+    # and an evenly spread sample of a [32000, 4096] table misses one row most of the time.
+    from autosp.input_check import spread_sample
+    from autosp.param_check import sample
+
+    table = torch.zeros(32001, 64)
+    other = table.clone()
+    other[-1] = torch.randn(64)
+    assert torch.equal(spread_sample(table, SAMPLE), spread_sample(other, SAMPLE))  # what was compared
+    assert not torch.equal(sample(table), sample(other))
+    assert sample(table).numel() <= SAMPLE + table.shape[0]
+    assert torch.equal(sample(torch.arange(10.0)), torch.arange(10.0))  # small: all of it

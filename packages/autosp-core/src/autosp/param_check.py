@@ -11,9 +11,11 @@ saw the same digests, so every rank takes it). From equal weights the contract k
 equal, but user code can still part them later (an optimizer stepped or a checkpoint loaded on some
 ranks only): ``StateDigest`` carries the model's weights into every call's input check.
 
-Each tensor is compared by an evenly spread sample of at most ``SAMPLE`` elements, bitwise: weights
-initialised or loaded differently differ almost everywhere, and the cost stays that of a few
-kernels per tensor once per graph, whatever the model's size.
+Each tensor is compared by an evenly spread sample of at most ``SAMPLE`` elements and one element
+of every row (at most ``ROWS``), bitwise: weights initialised or loaded differently differ almost
+everywhere, rows added to a table differ in every element (``resize_token_embeddings`` on ranks
+seeded apart: a spread sample missed a new token's row most of the time), and the cost stays that
+of a few kernels per tensor, whatever the model's size.
 """
 
 from __future__ import annotations
@@ -33,11 +35,23 @@ from autosp.torch_compat import all_gather_single
 from autosp.weak_group import WeakGroup
 
 SAMPLE = 4096
+ROWS = 1 << 20
 _SHOWN = 5
 
 
 class ParameterMismatch(AutoSPError):
     """The SP ranks hold different parameters or buffers: the SP program would match no single model."""
+
+
+def sample(t: torch.Tensor) -> torch.Tensor:
+    """What of ``t`` is compared: a spread sample, and one element of each row, its column moving."""
+    spread = spread_sample(t, SAMPLE)
+    if t.dim() < 2 or t.shape[0] <= 1 or t.numel() <= SAMPLE:
+        return spread
+    table = t.detach().reshape(t.shape[0], -1)
+    rows = torch.arange(0, table.shape[0], -(-table.shape[0] // ROWS), device=t.device)
+    cols = (rows * 7919 + 13) % table.shape[1]
+    return torch.cat([spread, table[rows, cols]])
 
 
 def state_name(placeholder: str) -> str:
@@ -59,7 +73,7 @@ class ParameterCheck:
         group = self.group
         device = collective_device(group)
         fps = (
-            torch.stack([fingerprint(spread_sample(t, SAMPLE)).to(device) for _, t in named]).tolist() if named else []
+            torch.stack([fingerprint(sample(t)).to(device) for _, t in named]).tolist() if named else []
         )
         digest = hash(tuple(fps)) if fps else 0  # one process's hash of ints: the same on every rank
         rows = torch.full((dist.get_world_size(group),), digest, dtype=torch.int64, device=device)
@@ -148,7 +162,7 @@ class StateDigest:
         stale = [i for i, ((name, _), key) in enumerate(zip(named, keys)) if self.cache.get(name, (None,))[0] != key]
         if stale:
             device = named[stale[0]][1].device
-            fps = torch.stack([fingerprint(spread_sample(named[i][1], SAMPLE)).to(device) for i in stale]).tolist()
+            fps = torch.stack([fingerprint(sample(named[i][1])).to(device) for i in stale]).tolist()
             for i, fp in zip(stale, fps):
                 self.cache[named[i][0]] = (keys[i], fp)
         return [(name, self.cache[name][1]) for name, _ in named]
@@ -160,11 +174,13 @@ def _plain_tensor(x: Any) -> bool:
 
 
 __all__ = [
+    "ROWS",
     "SAMPLE",
     "ParameterCheck",
     "StateDigest",
     "ParameterMismatch",
     "check_state_on_first_run",
     "mismatch_message",
+    "sample",
     "state_name",
 ]
