@@ -64,6 +64,25 @@ class _Steered(torch.nn.Module):
         return self.head(x).square().mean()
 
 
+GLOBAL_SCALE = torch.ones(16)  # a module-level tensor the forward reads (set per rank by the worker)
+
+
+class _Attribute(torch.nn.Module):
+    """One SDPA layer scaled by a plain tensor attribute (not a buffer) and by a global tensor."""
+
+    def __init__(self, value: float) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.qkv, self.head = torch.nn.Embedding(96, 16), torch.nn.Linear(16, 48), torch.nn.Linear(16, 8)
+        self.table = torch.full((16,), value)  # a plain attribute: neither parameter nor buffer
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids) * self.table * GLOBAL_SCALE
+        q, k, v = self.qkv(x).view(*ids.shape, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        x = x + torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2)
+        return self.head(x).square().mean()
+
+
 class _FusedQKV(torch.nn.Module):
     """nanoGPT's attention: one qkv Linear with a bias, viewed [B, S, 3, H, hd]."""
 
@@ -259,6 +278,22 @@ def input_faults(rank: int, world: int) -> dict[str, Any]:
     if rank == 1:
         hooked.head.register_forward_hook(lambda mod, args, y: y + 1)
     out["hook_one_rank"] = attempt(lambda: compiled(_ids(2, 32)))
+    # Tensors the forward reads that are neither parameters, buffers nor inputs: a plain attribute
+    # and a global. Apart on the ranks (before the first call, or filled on one rank after it), each
+    # rank once ran with its own, silently.
+    out["attribute_apart"] = attempt(lambda: autosp.compile(_Attribute(1.0 + rank), backend="eager")(_ids(2, 32)))
+    alike = _Attribute(1.0)
+    reference = copy.deepcopy(alike)
+    compiled = autosp.compile(alike, backend="eager")
+    out["attribute_alike"] = attempt(lambda: compiled(_ids(2, 32)))
+    out["attribute_reference"] = float(reference(_ids(2, 32)))
+    alike.table.fill_(1.0 + rank)
+    out["attribute_filled"] = attempt(lambda: compiled(_ids(2, 32)))
+    alike.table.fill_(1.0)
+    GLOBAL_SCALE.fill_(1.0 + rank)
+    out["global_filled"] = attempt(lambda: compiled(_ids(2, 32)))
+    GLOBAL_SCALE.fill_(1.0)
+    out["attribute_agree_again"] = attempt(lambda: compiled(_ids(2, 32)))
     # Called under no_grad on one rank only: Dynamo would compile another graph there (once a hang).
     same = autosp.compile(_Steered(1.0), backend="eager")
     with torch.no_grad() if rank == 1 else contextlib.nullcontext():

@@ -286,6 +286,27 @@ def test_programs_that_differ_between_ranks_are_refused(faults):
         assert r["hook_everywhere"]["loss"] != pytest.approx(r["hook_first"]["loss"], rel=1e-3)
         _error(r["hook_one_rank"], "ProgramMismatch", r"global ranks \[0\]; global ranks \[1\]")
         assert r["hook_one_rank"]["seconds"] < FAST_S, r["hook_one_rank"]
+    # Tensors read besides parameters, buffers and inputs (a plain attribute, a global): compared at
+    # a graph's first run and at every run after (once silently each rank's own).
+    for r in faults:
+        _error(
+            r["attribute_apart"],
+            "ParameterMismatch",
+            r"hold different tensors, 1 of 2 that graph",
+            r"  table: rank 0 / rank 1",
+        )
+        assert r["attribute_alike"]["error"] is None
+        assert r["attribute_alike"]["loss"] == pytest.approx(r["attribute_reference"], rel=1e-5)
+        _error(
+            r["attribute_filled"],
+            "ParameterMismatch",
+            r"besides parameters, buffers and inputs",
+            r"  table: rank 0 / rank 1",
+        )
+        _error(r["global_filled"], "ParameterMismatch", r"  GLOBAL_SCALE \(a global\): rank 0 / rank 1")
+        assert r["attribute_agree_again"]["loss"] == r["attribute_alike"]["loss"]
+        for key in ("attribute_apart", "attribute_filled", "global_filled"):
+            assert r[key]["seconds"] < FAST_S, r[key]
     # The same through a settings object passed in: its attributes are compared with the inputs.
     for r in faults:
         _error(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from autosp.compile_agreement import CompileFailed, ProgramMismatch, agree_on_compile
@@ -26,7 +27,7 @@ def test_every_rank_returns_when_every_rank_compiled(world: int) -> None:
 
     for rank, (got, issued) in enumerate(simulate(rank_fn, world)):
         assert got == ("ok", f"graph of rank {rank}")
-        assert issued == ["all_reduce[(3,)]"]  # failed? and the program digest, nothing gathered
+        assert issued == ["all_reduce[(5,)]"]  # failed?, the program digest and the captured tensors, nothing gathered
 
 
 def test_a_failure_on_one_rank_is_raised_on_every_rank() -> None:
@@ -63,7 +64,7 @@ def test_ranks_that_compiled_different_programs_are_refused_on_every_rank() -> N
         assert "different programs for graph [0/0] (global ranks [0, 1]; global ranks [2])" in message
         assert "'sdpa(is_causal=True)' on global ranks [0, 1] against 'sdpa(is_causal=False)'" in message
         assert "train()/eval()" in message
-        assert issued[0] == "all_reduce[(3,)]"
+        assert issued[0] == "all_reduce[(5,)]"
     assert len({m for (_, m), _ in results}) == 1  # the same error on every rank
 
 
@@ -72,3 +73,26 @@ def test_the_same_program_agrees() -> None:
         return _outcome(lambda: agree_on_compile(lambda: rank, dist.group.WORLD, "graph [1/0]", "same code"))
 
     assert simulate(rank_fn, 2) == [("ok", "0"), ("ok", "1")]
+
+
+def test_each_run_compares_the_tensors_a_graph_reads_besides_parameters_and_inputs() -> None:
+    """A plain tensor attribute or a global (``captured``): apart on the ranks, every rank raises,
+    naming it; alike, the graph runs, and a tensor is fingerprinted again only when it changed."""
+    from autosp.compile_agreement import SameProgramOnEveryRun
+    from autosp.param_check import ParameterMismatch
+
+    def rank_fn(rank: int, _: str) -> list[tuple[str, str]]:
+        table = torch.ones(4)
+        run = SameProgramOnEveryRun(lambda t, x: x + t, dist.group.WORLD, "graph [0/0]", "prog", [(0, "table")])
+        got = [_outcome(lambda: run(table, torch.zeros(4)).sum().item())]
+        table.fill_(1.0 + rank)  # in place, on one rank: its version moves, so it is fingerprinted again
+        got.append(_outcome(lambda: run(table, torch.zeros(4))))
+        got.append(("issued", " ".join(collectives_issued())))
+        return got
+
+    for first, second, issued in simulate(rank_fn, 2):
+        assert first == ("ok", "4.0")
+        assert second[0] == ParameterMismatch.__name__
+        assert "hold different tensors, 1 of 1 that graph [0/0] reads besides parameters" in second[1]
+        assert "  table: rank 0 / rank 1\n" in second[1]
+        assert issued[1].startswith("all_reduce[(5,)] all_reduce[(5,)]")

@@ -60,6 +60,7 @@ def test_different_weights_are_named_on_every_rank() -> None:
         ("L_self_buffers_inv_freq_", "inv_freq"),
         ("L_self_modules_embed_parameters_weight_", "embed.weight"),
         ("L_fn_parameters_scale_", "fn.scale"),
+        ("G_TABLE_", "TABLE (a global)"),
     ],
 )
 def test_state_names_read_like_the_model(placeholder: str, name: str) -> None:

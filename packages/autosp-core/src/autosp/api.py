@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypedDict, cast
 
@@ -12,12 +12,12 @@ import torch.distributed as dist
 
 from autosp.compile_agreement import SameProgramOnEveryRun, agree_on_compile, program_text
 from autosp.errors import ConfigError
-from autosp.guards import GraphRuns, GuardedCall, guard_compiled, guard_graph
+from autosp.guards import CALL_INPUTS, GraphRuns, GuardedCall, guard_compiled, guard_graph
 from autosp.hardware import load_profile
 from autosp.hardware_select import HardwareOption
 from autosp.input_check import CheckMode, InputCheck
 from autosp.options import Backend, SPOptions, compile_sync_group, resolve_group
-from autosp.param_check import ParameterCheck, StateDigest, check_state_on_first_run
+from autosp.param_check import ParameterCheck, StateDigest, check_state_on_first_run, state_name
 from autosp.registry import get_registry
 from autosp.report import Report
 from autosp.rng_check import refuse_divergent_rng
@@ -147,15 +147,35 @@ class AutoSPBackend:
                 fn = refuse_divergent_rng(fn, report.random_ops, self.input_check.rng_split, what)
         names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
         params = [_is_param(n, x) for n, x in zip(names, example_inputs)]
+        captured = captured_inputs(names, example_inputs, params, CALL_INPUTS.get())
         if self.param_check is not None:
-            fn = check_state_on_first_run(fn, names, params, self.param_check)
+            state = [p or any(i == c for c, _ in captured) for i, p in enumerate(params)]
+            fn = check_state_on_first_run(fn, names, state, self.param_check)
         if self.check_graphs and self.input_check is not None:
             fn = guard_graph(fn, names, params, self.input_check)
         if self.world > 1:
             # Outermost: the first collective of every run, so a rank that compiled anew pairs with it.
             # On the SP group: a run's collectives keep to timeout= (the world's may be 30 minutes).
-            fn = SameProgramOnEveryRun(fn, self.group, what, program)
+            fn = SameProgramOnEveryRun(fn, self.group, what, program, captured if self.param_check else ())
         return self.runs.wrap(fn)
+
+
+def captured_inputs(
+    names: Sequence[str], example_inputs: Sequence[Any], params: Sequence[bool], given: frozenset[int] | None
+) -> list[tuple[int, str]]:
+    """(index, name) of the graph inputs that are tensors the call was not given and not parameters or
+    buffers: plain tensor attributes of a module (``self.mask = ...``), globals, closures' tensors.
+
+    Only inside a guarded call (``given``: its tensors' ids); under ``torch.compile(backend=...)``
+    the graph's input check compares every input that is not a parameter or buffer already.
+    """
+    if given is None:
+        return []
+    return [
+        (i, state_name(name))
+        for i, (name, x, p) in enumerate(zip(names, example_inputs, params))
+        if not p and type(x) in (torch.Tensor, torch.nn.Parameter) and x.device.type != "meta" and id(x) not in given
+    ]
 
 
 def backend(

@@ -79,7 +79,7 @@ def agree_on_compile(compile_fn: Callable[[], T], group: Any, what: str, program
         result = compile_fn()
     except Exception as e:  # a KeyboardInterrupt is not a compile failure: it ends this rank
         error = e
-    failed = _exchange(group, f"waiting for every SP rank to compile {what}", what, program, error)
+    failed, _ = _exchange(group, f"waiting for every SP rank to compile {what}", what, program, error)
     if failed == 0:
         return result
     lines: list[Any] = [None] * dist.get_world_size(group)
@@ -94,20 +94,28 @@ def agree_on_compile(compile_fn: Callable[[], T], group: Any, what: str, program
     )
 
 
-def _exchange(group: Any, waiting: str, what: str, program: str, error: Exception | None) -> int:
-    """One MAX all-reduce of (failed?, digest, -digest); raises ``ProgramMismatch`` when digests differ."""
+def _exchange(
+    group: Any, waiting: str, what: str, program: str, error: Exception | None, captured: int = 0
+) -> tuple[int, bool]:
+    """One MAX all-reduce of (failed?, digest, -digest, captured, -captured); raises ``ProgramMismatch``
+    when the program digests differ. Returns (ranks that failed, whether the ``captured`` digests agree)."""
     digest = digest_bytes(program.encode()) & _MASK
-    agreed = torch.tensor([int(error is not None), digest, -digest], dtype=torch.int64, device=collective_device(group))
+    captured &= _MASK
+    agreed = torch.tensor(
+        [int(error is not None), digest, -digest, captured, -captured],
+        dtype=torch.int64,
+        device=collective_device(group),
+    )
     try:
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
     except Exception as e:
         if is_comm_failure(e):
             raise CollectiveFailure(comm_failure_message(waiting, group, e)) from (error or e)
         raise
-    failed, highest, lowest = (int(v) for v in agreed.tolist())
+    failed, highest, lowest, captured_high, captured_low = (int(v) for v in agreed.tolist())
     if failed == 0 and highest != -lowest:
         _refuse_other_programs(group, what, program, error)
-    return failed
+    return failed, captured_high == -captured_low
 
 
 class SameProgramOnEveryRun:
@@ -118,18 +126,60 @@ class SameProgramOnEveryRun:
     this exchange, on the SP group, pairs with the agreement's (which runs there too unless
     ``timeout=`` made a compile-sync group), so every rank sees the programs differ and raises,
     instead of the ones running waiting in a collective until the timeout.
+
+    The same exchange compares the tensors the graph reads that are neither parameters, buffers nor
+    the call's inputs (``captured``: plain tensor attributes of a module, globals): nothing else
+    does, and ranks holding different ones would each run another program's numbers, silently.
     """
 
     group = WeakGroup()
 
-    def __init__(self, fn: Callable[..., Any], group: Any, what: str, program: str) -> None:
+    def __init__(
+        self, fn: Callable[..., Any], group: Any, what: str, program: str, captured: Sequence[tuple[int, str]] = ()
+    ) -> None:
         self.fn, self.group, self.what, self.program = fn, group, what, program
+        self.captured = CapturedDigest(captured)
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args: Any) -> Any:
         waiting = f"a collective of the SP program (the check that every SP rank runs {self.what})"
-        _exchange(self.group, waiting, self.what, self.program, None)
+        named = self.captured.fingerprints(args)
+        _, alike = _exchange(self.group, waiting, self.what, self.program, None, digest_bytes(repr(named).encode()))
+        if not alike:
+            from autosp.param_check import ParameterMismatch, mismatch_message
+
+            gathered: list[Any] = [None] * dist.get_world_size(self.group)
+            dist.all_gather_object(gathered, named, group=self.group)
+            ranks = dist.get_process_group_ranks(self.group)
+            holder = f"that {self.what} reads besides parameters, buffers and inputs (plain tensor attributes, globals)"
+            raise ParameterMismatch(mismatch_message(gathered, ranks, holder, kind="tensors"))
         return self.fn(*args)
+
+
+class CapturedDigest:
+    """Sample fingerprints of the graph inputs at ``captured`` ((index, name) pairs), recomputed only
+    for a tensor that changed since the last run (its version counter, storage, shape or dtype)."""
+
+    def __init__(self, captured: Sequence[tuple[int, str]]) -> None:
+        self.captured = list(captured)
+        self.cache: dict[int, tuple[tuple[Any, ...], int]] = {}
+
+    def fingerprints(self, args: Sequence[Any]) -> list[tuple[str, int]]:
+        if not self.captured:
+            return []
+        from autosp.input_check import fingerprint
+        from autosp.param_check import sample
+
+        out = []
+        for i, name in self.captured:
+            t = args[i]
+            key = (t._version, t.data_ptr(), tuple(t.shape), t.dtype)
+            cached = self.cache.get(i)
+            if cached is None or cached[0] != key:
+                cached = (key, int(fingerprint(sample(t)))) if t.numel() else (key, 0)
+                self.cache[i] = cached
+            out.append((name, cached[1]))
+        return out
 
 
 def _refuse_other_programs(group: Any, what: str, program: str, error: Exception | None) -> None:
@@ -155,4 +205,11 @@ def _refuse_other_programs(group: Any, what: str, program: str, error: Exception
     ) from error
 
 
-__all__ = ["CompileFailed", "ProgramMismatch", "agree_on_compile", "SameProgramOnEveryRun", "program_text"]
+__all__ = [
+    "CapturedDigest",
+    "CompileFailed",
+    "ProgramMismatch",
+    "SameProgramOnEveryRun",
+    "agree_on_compile",
+    "program_text",
+]

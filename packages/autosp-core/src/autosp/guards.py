@@ -16,6 +16,7 @@ Three failures are caught here, on every rank of the SP group:
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import re
 import warnings
@@ -209,6 +210,11 @@ def _hard_dynamo_failures() -> Iterator[None]:
         cfg.fail_on_recompile_limit_hit, cfg.suppress_errors, cfg.optimize_ddp, cfg.skip_nnmodule_hook_guards = saved
 
 
+# The ids of the tensors the current guarded call was given (None outside one): the backend tells
+# them from tensors its graphs read that the call was not given (plain tensor attributes, globals).
+CALL_INPUTS: contextvars.ContextVar[frozenset[int] | None] = contextvars.ContextVar("autosp_call_inputs", default=None)
+
+
 class GraphRuns:
     """Counts the runs of AutoSP's compiled graphs, to tell a call that ran none of them."""
 
@@ -271,8 +277,12 @@ class GuardedCall:
             run_check(self.check, [*leaves, *program_state(self.model)], state)
         before = self.runs.count
         try:
-            with _hard_dynamo_failures():
-                out = self.fn(*args, **kwargs)
+            given = CALL_INPUTS.set(frozenset(id(leaf.tensor) for leaf in leaves if leaf.tensor is not None))
+            try:
+                with _hard_dynamo_failures():
+                    out = self.fn(*args, **kwargs)
+            finally:
+                CALL_INPUTS.reset(given)
         except FailOnRecompileLimitHit as e:
             raise EagerFallback(recompile_message(leaves, self.seen)) from e
         except AutoSPError:
@@ -407,6 +417,7 @@ def guard_compiled(compiled: Any, model: Any, call: GuardedCall) -> Any:
 
 
 __all__ = [
+    "CALL_INPUTS",
     "AttentionNotSharded",
     "CollectiveFailure",
     "EagerFallback",

@@ -55,7 +55,10 @@ def sample(t: torch.Tensor) -> torch.Tensor:
 
 
 def state_name(placeholder: str) -> str:
-    """``L_self_modules_layers_modules_0_modules_q_parameters_weight_`` -> ``layers.0.q.weight``."""
+    """``L_self_modules_layers_modules_0_modules_q_parameters_weight_`` -> ``layers.0.q.weight``;
+    ``G_TABLE_`` -> ``TABLE (a global)``."""
+    if placeholder.startswith("G_"):
+        return f"{placeholder[2:].rstrip('_')} (a global)"
     name = re.sub(r"^L_(self_)?|_$", "", placeholder)
     name = re.sub(r"^(modules|parameters|buffers)_", "", name)
     return re.sub(r"_(modules|parameters|buffers)_", ".", name)
@@ -72,9 +75,7 @@ class ParameterCheck:
     def __call__(self, named: Sequence[tuple[str, torch.Tensor]]) -> None:
         group = self.group
         device = collective_device(group)
-        fps = (
-            torch.stack([fingerprint(sample(t)).to(device) for _, t in named]).tolist() if named else []
-        )
+        fps = torch.stack([fingerprint(sample(t)).to(device) for _, t in named]).tolist() if named else []
         digest = hash(tuple(fps)) if fps else 0  # one process's hash of ints: the same on every rank
         rows = torch.full((dist.get_world_size(group),), digest, dtype=torch.int64, device=device)
         all_gather_single(rows, rows[:1].clone(), group=group)
@@ -86,7 +87,10 @@ class ParameterCheck:
 
 
 def mismatch_message(
-    gathered: list[list[tuple[str, int]]], ranks: list[int], holder: str = "that this graph reads"
+    gathered: list[list[tuple[str, int]]],
+    ranks: list[int],
+    holder: str = "that this graph reads",
+    kind: str = "parameters or buffers",
 ) -> str:
     """Which tensors differ, and which ranks agree on each (``gathered[i]``: SP rank i's)."""
     tables = [dict(per_rank) for per_rank in gathered]
@@ -105,7 +109,7 @@ def mismatch_message(
     if not differ:
         lines.append("  (their digests differ, each tensor's fingerprint agrees: a digest collision)")
     return (
-        f"the SP ranks (global ranks {ranks}) hold different parameters or buffers, {len(differ)} of "
+        f"the SP ranks (global ranks {ranks}) hold different {kind}, {len(differ)} of "
         f"{len(names)} {holder}:\n" + "\n".join(lines) + "\n"
         "Every rank of an SP group computes its piece of the sequence with its own copy of the model, so the "
         "copies must be equal, or the result matches no single-device model. Seed every rank alike before "
