@@ -278,6 +278,16 @@ def input_faults(rank: int, world: int) -> dict[str, Any]:
     if rank == 1:
         hooked.head.register_forward_hook(lambda mod, args, y: y + 1)
     out["hook_one_rank"] = attempt(lambda: compiled(_ids(2, 32)))
+    # A hook that only records, on rank 0 only: Dynamo recompiles there into the same program, whose
+    # agreement met rank 1's run (once: rank 0 then waited in a second exchange until the timeout).
+    recorded: list[Any] = []
+    logged = _Steered(1.0)
+    compiled = autosp.compile(logged, backend="eager")
+    out["record_first"] = attempt(lambda: compiled(_ids(2, 32)))
+    if rank == 0:
+        logged.qkv.register_forward_hook(lambda mod, args, y: recorded.append(tuple(y.shape)))
+    out["record_one_rank"] = [attempt(lambda: compiled(_ids(2, 32))) for _ in range(2)]
+    out["recorded"] = recorded
     # Tensors the forward reads that are neither parameters, buffers nor inputs: a plain attribute
     # and a global. Apart on the ranks (before the first call, or filled on one rank after it), each
     # rank once ran with its own, silently.

@@ -307,6 +307,12 @@ def test_programs_that_differ_between_ranks_are_refused(faults):
         assert r["attribute_agree_again"]["loss"] == r["attribute_alike"]["loss"]
         for key in ("attribute_apart", "attribute_filled", "global_filled"):
             assert r[key]["seconds"] < FAST_S, r[key]
+    # A hook that only records, on one rank: the same program recompiled there; every rank runs on.
+    for rank, r in enumerate(faults):
+        assert [x["error"] for x in r["record_one_rank"]] == [None, None], r["record_one_rank"]
+        assert {x["loss"] for x in r["record_one_rank"]} == {r["record_first"]["loss"]}
+        assert all(x["seconds"] < FAST_S for x in r["record_one_rank"]), r["record_one_rank"]
+        assert r["recorded"] == ([(2, 32, 48)] * 2 if rank == 0 else [])
     # The same through a settings object passed in: its attributes are compared with the inputs.
     for r in faults:
         _error(

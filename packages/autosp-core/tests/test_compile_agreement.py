@@ -27,7 +27,7 @@ def test_every_rank_returns_when_every_rank_compiled(world: int) -> None:
 
     for rank, (got, issued) in enumerate(simulate(rank_fn, world)):
         assert got == ("ok", f"graph of rank {rank}")
-        assert issued == ["all_reduce[(5,)]"]  # failed?, the program digest and the captured tensors, nothing gathered
+        assert issued == ["all_reduce[(7,)]"]  # failed?, the program and captured digests, compiling?; nothing gathered
 
 
 def test_a_failure_on_one_rank_is_raised_on_every_rank() -> None:
@@ -64,7 +64,7 @@ def test_ranks_that_compiled_different_programs_are_refused_on_every_rank() -> N
         assert "different programs for graph [0/0] (global ranks [0, 1]; global ranks [2])" in message
         assert "'sdpa(is_causal=True)' on global ranks [0, 1] against 'sdpa(is_causal=False)'" in message
         assert "train()/eval()" in message
-        assert issued[0] == "all_reduce[(5,)]"
+        assert issued[0] == "all_reduce[(7,)]"
     assert len({m for (_, m), _ in results}) == 1  # the same error on every rank
 
 
@@ -78,12 +78,14 @@ def test_the_same_program_agrees() -> None:
 def test_each_run_compares_the_tensors_a_graph_reads_besides_parameters_and_inputs() -> None:
     """A plain tensor attribute or a global (``captured``): apart on the ranks, every rank raises,
     naming it; alike, the graph runs, and a tensor is fingerprinted again only when it changed."""
-    from autosp.compile_agreement import SameProgramOnEveryRun
+    from autosp.compile_agreement import CapturedDigest, SameProgramOnEveryRun
     from autosp.param_check import ParameterMismatch
 
     def rank_fn(rank: int, _: str) -> list[tuple[str, str]]:
         table = torch.ones(4)
-        run = SameProgramOnEveryRun(lambda t, x: x + t, dist.group.WORLD, "graph [0/0]", "prog", [(0, "table")])
+        run = SameProgramOnEveryRun(
+            lambda t, x: x + t, dist.group.WORLD, "graph [0/0]", "prog", CapturedDigest([(0, "table")])
+        )
         got = [_outcome(lambda: run(table, torch.zeros(4)).sum().item())]
         table.fill_(1.0 + rank)  # in place, on one rank: its version moves, so it is fingerprinted again
         got.append(_outcome(lambda: run(table, torch.zeros(4))))
@@ -95,4 +97,26 @@ def test_each_run_compares_the_tensors_a_graph_reads_besides_parameters_and_inpu
         assert second[0] == ParameterMismatch.__name__
         assert "hold different tensors, 1 of 1 that graph [0/0] reads besides parameters" in second[1]
         assert "  table: rank 0 / rank 1\n" in second[1]
-        assert issued[1].startswith("all_reduce[(5,)] all_reduce[(5,)]")
+        assert issued[1].startswith("all_reduce[(7,)] all_reduce[(7,)]")
+
+
+def test_a_rank_that_recompiles_the_same_program_stays_in_step_with_the_running_ranks() -> None:
+    """Dynamo recompiles on rank 0 only (a hook that only records), into the same program: its
+    agreement meets rank 1's run exchange, so it skips its own first one and both run in step."""
+    from autosp.compile_agreement import SameProgramOnEveryRun, agree_on_compile_joining_runs
+
+    def rank_fn(rank: int, _: str) -> tuple[bool, list[str], list[str]]:
+        joined = False
+        if rank == 0:
+            fn, joined = agree_on_compile_joining_runs(lambda: lambda x: x * 2, dist.group.WORLD, "graph [0/1]", "prog")
+            run = SameProgramOnEveryRun(fn, dist.group.WORLD, "graph [0/1]", "prog", skip_first=joined)
+        else:
+            run = SameProgramOnEveryRun(lambda x: x * 2, dist.group.WORLD, "graph [0/0]", "prog")
+        got = [_outcome(lambda: run(torch.ones(2)).sum().item()) for _ in range(2)]
+        got.append(_outcome(lambda: dist.all_reduce(torch.ones(1)) or "in step"))
+        return joined, [g[1] for g in got], collectives_issued()
+
+    (joined0, got0, issued0), (joined1, got1, issued1) = simulate(rank_fn, 2)
+    assert joined0 and not joined1
+    assert got0 == got1 == ["4.0", "4.0", "in step"]
+    assert len(issued0) == len(issued1) == 3, (issued0, issued1)  # agreement or run exchange, a run exchange, ours

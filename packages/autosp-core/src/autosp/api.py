@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, TypedDict, cast
 import torch
 import torch.distributed as dist
 
-from autosp.compile_agreement import SameProgramOnEveryRun, agree_on_compile, program_text
+from autosp.compile_agreement import CapturedDigest, SameProgramOnEveryRun, agree_on_compile_joining_runs, program_text
 from autosp.errors import ConfigError
 from autosp.guards import CALL_INPUTS, GraphRuns, GuardedCall, guard_compiled, guard_graph
 from autosp.hardware import load_profile
@@ -131,6 +131,11 @@ class AutoSPBackend:
         def compile_it() -> Callable[..., Any]:
             return compile_graph(gm, example_inputs, self.options, self.registry, self.group, self.world, self.reports)
 
+        names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+        params = [_is_param(n, x) for n, x in zip(names, example_inputs)]
+        captured = captured_inputs(names, example_inputs, params, CALL_INPUTS.get())
+        digest = CapturedDigest(captured if self.param_check is not None else ())
+        joined_runs, agreeing = False, None
         if self.world == 1:
             fn = compile_it()
         else:
@@ -141,14 +146,18 @@ class AutoSPBackend:
             program = program_text(gm, example_inputs, self.options)
             agreeing = self.sync_group if self.sync_group is not None else self.group
             with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
-                fn = agree_on_compile(compile_it, agreeing, what, program)
+                fn, joined_runs = agree_on_compile_joining_runs(
+                    compile_it, agreeing, what, program, digest.fingerprints(example_inputs)
+                )
             report = self.reports[-1]  # compile_graph's, appended as it began
             if report.random_ops and self.input_check is not None:
                 fn = refuse_divergent_rng(fn, report.random_ops, self.input_check.rng_split, what)
-        names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
-        params = [_is_param(n, x) for n, x in zip(names, example_inputs)]
-        captured = captured_inputs(names, example_inputs, params, CALL_INPUTS.get())
-        if self.param_check is not None:
+        # Ranks that ran their graph met this rank's agreement in their run exchange (Dynamo
+        # recompiled on this rank only, into the same program): they go on into the graph's
+        # collectives, so this rank skips its first run's exchange and parameter check (their
+        # weights were checked at their first run and are at every call).
+        skip = joined_runs and agreeing is self.group
+        if self.param_check is not None and not skip:
             state = [p or any(i == c for c, _ in captured) for i, p in enumerate(params)]
             fn = check_state_on_first_run(fn, names, state, self.param_check)
         if self.check_graphs and self.input_check is not None:
@@ -156,7 +165,7 @@ class AutoSPBackend:
         if self.world > 1:
             # Outermost: the first collective of every run, so a rank that compiled anew pairs with it.
             # On the SP group: a run's collectives keep to timeout= (the world's may be 30 minutes).
-            fn = SameProgramOnEveryRun(fn, self.group, what, program, captured if self.param_check else ())
+            fn = SameProgramOnEveryRun(fn, self.group, what, program, digest, skip_first=skip)
         return self.runs.wrap(fn)
 
 

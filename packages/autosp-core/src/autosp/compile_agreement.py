@@ -13,6 +13,12 @@ every rank, which traced the same full-length inputs) and the options. Ranks who
 count or causal flag, other ``autosp.compile`` options) would pair collectives of different programs:
 a loss that matches no single-device run, or a hang. Every rank raises ``ProgramMismatch`` instead.
 
+Ranks running a graph begin each run with the same all-reduce (``SameProgramOnEveryRun``), so when
+Dynamo recompiles on some ranks only, the compiling ranks' agreement meets the running ranks' run
+exchange: programs that differ are refused there, and an identical one (a hook that only records,
+registered on one rank) lets every rank go on in step, the compiling ranks skipping the run
+exchange their agreement already took.
+
 The all-reduce runs on the compile-sync group when ``timeout=`` made one (the SP ranks with the
 world's timeout), so a rank that compiles slower never trips the SP group's short timeout; that
 is also why the backward compiles with the forward under SP (``force_non_lazy_backward_lowering``):
@@ -73,49 +79,74 @@ def _first_line(e: BaseException) -> str:
 def agree_on_compile(compile_fn: Callable[[], T], group: Any, what: str, program: str = "") -> T:
     """``compile_fn()`` on this rank; it returns only if it returned on every rank of ``group``, and
     every rank compiled the same ``program`` (``program_text``)."""
+    return agree_on_compile_joining_runs(compile_fn, group, what, program)[0]
+
+
+def agree_on_compile_joining_runs(
+    compile_fn: Callable[[], T], group: Any, what: str, program: str = "", captured: Sequence[tuple[str, int]] = ()
+) -> tuple[T, bool]:
+    """``agree_on_compile``, and whether ranks running a graph (``SameProgramOnEveryRun``) met this
+    exchange: Dynamo recompiled on some ranks only, into the same program. Those ranks then run
+    their graph's collectives; this rank, which took their run exchange here, must skip its own
+    first one (``SameProgramOnEveryRun(skip_first=True)``) to stay in step with them.
+    ``captured``: fingerprints of the tensors the graph reads besides parameters and inputs
+    (``CapturedDigest``), which the running ranks' exchange carries too."""
     error: Exception | None = None
     result: Any = None
     try:
         result = compile_fn()
     except Exception as e:  # a KeyboardInterrupt is not a compile failure: it ends this rank
         error = e
-    failed, _ = _exchange(group, f"waiting for every SP rank to compile {what}", what, program, error)
+    waiting = f"waiting for every SP rank to compile {what}"
+    failed, alike, running = _exchange(
+        group, waiting, what, program, error, CapturedDigest.digest(captured), compiling=True
+    )
+    if failed == 0 and not alike:
+        _refuse_other_tensors(group, what, captured)
     if failed == 0:
-        return result
+        return result, running
     lines: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(lines, None if error is None else _first_line(error), group=group)
     if error is not None:
         raise error
+    raise _compile_failed(what, group, lines, "compiled on this rank")
+
+
+def _compile_failed(what: str, group: Any, lines: list[Any], here: str) -> CompileFailed:
     ranks = dist.get_process_group_ranks(group)
     failures = "; ".join(f"global rank {ranks[i]}: {line}" for i, line in enumerate(lines) if line is not None)
-    raise CompileFailed(
-        f"{what} compiled on this rank (global rank {dist.get_rank()}) but not on every SP rank ({failures}), "
+    return CompileFailed(
+        f"{what} {here} (global rank {dist.get_rank()}) but not on every SP rank ({failures}), "
         "so no rank runs it: its collectives need every SP rank. The failed rank's log holds the whole error."
     )
 
 
 def _exchange(
-    group: Any, waiting: str, what: str, program: str, error: Exception | None, captured: int = 0
-) -> tuple[int, bool]:
-    """One MAX all-reduce of (failed?, digest, -digest, captured, -captured); raises ``ProgramMismatch``
-    when the program digests differ. Returns (ranks that failed, whether the ``captured`` digests agree)."""
+    group: Any,
+    waiting: str,
+    what: str,
+    program: str,
+    error: Exception | None,
+    captured: int = 0,
+    compiling: bool = False,
+) -> tuple[int, bool, bool]:
+    """One MAX all-reduce of (failed?, digest, -digest, captured, -captured, compiling, -compiling);
+    raises ``ProgramMismatch`` when the program digests differ. Returns (ranks that failed, whether the
+    ``captured`` digests agree, whether some ranks were compiling and others running)."""
     digest = digest_bytes(program.encode()) & _MASK
     captured &= _MASK
-    agreed = torch.tensor(
-        [int(error is not None), digest, -digest, captured, -captured],
-        dtype=torch.int64,
-        device=collective_device(group),
-    )
+    values = [int(error is not None), digest, -digest, captured, -captured, int(compiling), -int(compiling)]
+    agreed = torch.tensor(values, dtype=torch.int64, device=collective_device(group))
     try:
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
     except Exception as e:
         if is_comm_failure(e):
             raise CollectiveFailure(comm_failure_message(waiting, group, e)) from (error or e)
         raise
-    failed, highest, lowest, captured_high, captured_low = (int(v) for v in agreed.tolist())
+    failed, highest, lowest, captured_high, captured_low, any_compiling, not_all = (int(v) for v in agreed.tolist())
     if failed == 0 and highest != -lowest:
         _refuse_other_programs(group, what, program, error)
-    return failed, captured_high == -captured_low
+    return failed, captured_high == -captured_low, any_compiling == 1 and not_all == 0
 
 
 class SameProgramOnEveryRun:
@@ -135,25 +166,45 @@ class SameProgramOnEveryRun:
     group = WeakGroup()
 
     def __init__(
-        self, fn: Callable[..., Any], group: Any, what: str, program: str, captured: Sequence[tuple[int, str]] = ()
+        self,
+        fn: Callable[..., Any],
+        group: Any,
+        what: str,
+        program: str,
+        captured: CapturedDigest | None = None,
+        skip_first: bool = False,
     ) -> None:
         self.fn, self.group, self.what, self.program = fn, group, what, program
-        self.captured = CapturedDigest(captured)
+        self.captured = captured if captured is not None else CapturedDigest(())
+        self.skip = skip_first  # this rank's compile agreement already took the running ranks' exchange
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args: Any) -> Any:
+        if self.skip:
+            self.skip = False
+            return self.fn(*args)
         waiting = f"a collective of the SP program (the check that every SP rank runs {self.what})"
         named = self.captured.fingerprints(args)
-        _, alike = _exchange(self.group, waiting, self.what, self.program, None, digest_bytes(repr(named).encode()))
+        failed, alike, _ = _exchange(self.group, waiting, self.what, self.program, None, self.captured.digest(named))
+        if failed:
+            # A rank that recompiled this graph failed: join its report, as the compiling ranks do.
+            lines: list[Any] = [None] * dist.get_world_size(self.group)
+            dist.all_gather_object(lines, None, group=self.group)
+            raise _compile_failed(self.what, self.group, lines, "runs on this rank")
         if not alike:
-            from autosp.param_check import ParameterMismatch, mismatch_message
-
-            gathered: list[Any] = [None] * dist.get_world_size(self.group)
-            dist.all_gather_object(gathered, named, group=self.group)
-            ranks = dist.get_process_group_ranks(self.group)
-            holder = f"that {self.what} reads besides parameters, buffers and inputs (plain tensor attributes, globals)"
-            raise ParameterMismatch(mismatch_message(gathered, ranks, holder, kind="tensors"))
+            _refuse_other_tensors(self.group, self.what, named)
         return self.fn(*args)
+
+
+def _refuse_other_tensors(group: Any, what: str, named: Sequence[tuple[str, int]]) -> None:
+    """Every rank saw the captured digests differ: name the tensors and which ranks hold what."""
+    from autosp.param_check import ParameterMismatch, mismatch_message
+
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, list(named), group=group)
+    ranks = dist.get_process_group_ranks(group)
+    holder = f"that {what} reads besides parameters, buffers and inputs (plain tensor attributes, globals)"
+    raise ParameterMismatch(mismatch_message(gathered, ranks, holder, kind="tensors"))
 
 
 class CapturedDigest:
@@ -163,6 +214,10 @@ class CapturedDigest:
     def __init__(self, captured: Sequence[tuple[int, str]]) -> None:
         self.captured = list(captured)
         self.cache: dict[int, tuple[tuple[Any, ...], int]] = {}
+
+    @staticmethod
+    def digest(named: Sequence[tuple[str, int]]) -> int:
+        return digest_bytes(repr(named).encode()) if named else 0
 
     def fingerprints(self, args: Sequence[Any]) -> list[tuple[str, int]]:
         if not self.captured:
@@ -211,5 +266,6 @@ __all__ = [
     "ProgramMismatch",
     "SameProgramOnEveryRun",
     "agree_on_compile",
+    "agree_on_compile_joining_runs",
     "program_text",
 ]
