@@ -441,3 +441,17 @@ def test_not_sharded_message_points_at_graph_breaks_and_einsum():
     two = not_sharded_message(2, [SimpleNamespace(notes=[]), SimpleNamespace(notes=[])])
     assert "torch.einsum is not recognised yet" in one and "graph break" not in one
     assert "split this program into 2 graphs" in two and "TORCH_LOGS=graph_breaks" in two
+
+
+def test_incoming_gradient_statistics_agree_within_tolerance_and_on_nan():
+    from autosp.input_check import _gradient_stats, _stats_apart
+
+    g = torch.randn(4, 8, 16)
+    same, noisy, scaled = _gradient_stats(g), _gradient_stats(g * (1 + 1e-9)), _gradient_stats(g * 0.5)
+    assert _stats_apart([same, noisy]) == [[0, 1]]  # summation-order noise of a nondeterministic kernel
+    assert _stats_apart([same, scaled, same]) == [[0, 2], [1]]  # a loss scaled on one rank
+    nan = _gradient_stats(torch.full((3,), float("nan")))
+    inf = _gradient_stats(torch.tensor([float("inf"), 1.0]))
+    assert _stats_apart([nan, nan]) == [[0, 1]] and _stats_apart([inf, inf]) == [[0, 1]]  # diverged alike
+    assert _stats_apart([nan, same]) == [[0], [1]]
+    assert _gradient_stats(None) == _gradient_stats(torch.zeros(0)) == [0.0, 0.0, 0.0]

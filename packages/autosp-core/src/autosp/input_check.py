@@ -351,13 +351,18 @@ def _gradient_stats(grad: torch.Tensor | None) -> list[float]:
     return torch.stack([x.sum(), x.square().sum(), (x * w).sum()]).tolist()
 
 
+def _close(a: float, b: float) -> bool:
+    # NaN and inf on every rank (a diverged loss) agree, as eager would carry them on.
+    return a == b or (math.isnan(a) and math.isnan(b)) or abs(a - b) <= _GRAD_RTOL * max(abs(a), abs(b))
+
+
 def _stats_apart(rows: list[list[float]]) -> list[list[int]]:
     """Indices of the ranks grouped by statistics equal within ``_GRAD_RTOL`` (one group: they agree)."""
     groups: list[list[int]] = []
     for i, row in enumerate(rows):
         for g in groups:
             ref = rows[g[0]]
-            if all(abs(a - b) <= _GRAD_RTOL * max(abs(a), abs(b)) + 1e-30 for a, b in zip(row, ref)):
+            if all(_close(a, b) for a, b in zip(row, ref)):
                 g.append(i)
                 break
         else:
