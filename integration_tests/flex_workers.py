@@ -6,39 +6,11 @@ import warnings
 from collections import Counter
 
 import torch
-import torch.nn.functional as F
-from torch import nn
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import create_block_mask
 
-VOCAB, DIM, HEADS = 50, 32, 4
-HEAD_DIM = DIM // HEADS
+from autosp.testing.models import SdpaThenFlex
 
-
-class SdpaThenFlex(nn.Module):
-    def __init__(self, kv_heads: int) -> None:
-        super().__init__()
-        self.kv_heads = kv_heads
-        self.emb = nn.Embedding(VOCAB, DIM)
-        self.qkv1 = nn.Linear(DIM, 3 * DIM)
-        self.q2 = nn.Linear(DIM, DIM)
-        self.kv2 = nn.Linear(DIM, 2 * kv_heads * HEAD_DIM)
-        self.out = nn.Linear(DIM, DIM)
-        self.head = nn.Linear(DIM, VOCAB)
-
-    def forward(self, idx: torch.Tensor, block_mask, labels: torch.Tensor) -> torch.Tensor:
-        x = self.emb(idx)
-        b, s, d = x.shape
-        q, k, v = self.qkv1(x).view(b, s, 3, HEADS, HEAD_DIM).permute(2, 0, 3, 1, 4)
-        x = x + F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d)
-        q = self.q2(x).view(b, s, HEADS, HEAD_DIM).transpose(1, 2)
-        k, v = self.kv2(x).view(b, s, 2, self.kv_heads, HEAD_DIM).permute(2, 0, 3, 1, 4)
-
-        def head_bias(score, b, h, q_idx, kv_idx):
-            return score - (h + 1) * 0.05 * (q_idx - kv_idx).abs()  # a different slope per global head
-
-        y = flex_attention(q, k, v, score_mod=head_bias, block_mask=block_mask, enable_gqa=self.kv_heads != HEADS)
-        x = x + self.out(y.transpose(1, 2).reshape(b, s, d))
-        return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+VOCAB, HEADS = 50, 4
 
 
 def block_mask(kind: str, seq: int):

@@ -131,12 +131,9 @@ def _verify_rank(cfg: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     """One rank of ``autosp.verify`` on the shared device (gloo carries CUDA tensors between the 2 processes)."""
     import autosp
     from autosp_tools.model import build_model
+    from autosp_tools.plan.gpu_flex import fresh_rank
 
-    device = torch.device(cfg["device"], 0) if cfg["device"] == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    torch._dynamo.reset()
-    torch.manual_seed(0)
+    device = fresh_rank(cfg["device"])
     model = build_model(cfg["model"]).to(device)
     ids = torch.randint(0, cfg["model"].vocab, (1, cfg["seq"]), generator=torch.Generator().manual_seed(2)).to(device)
     report = autosp.verify(

@@ -204,6 +204,39 @@ class MeanPoolClassifier(nn.Module):
         return F.cross_entropy(self.cls(feats), y)
 
 
+class SdpaThenFlex(nn.Module):
+    """Causal SDPA in one layer, FlexAttention in the next: a slope per global head (``score_mod``),
+    GQA when ``kv_heads < heads``, and the block mask passed in (made outside the compiled call)."""
+
+    def __init__(self, kv_heads: int, vocab: int = 50, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.kv_heads, self.heads, self.head_dim = kv_heads, heads, dim // heads
+        self.emb = nn.Embedding(vocab, dim)
+        self.qkv1 = nn.Linear(dim, 3 * dim)
+        self.q2 = nn.Linear(dim, dim)
+        self.kv2 = nn.Linear(dim, 2 * kv_heads * self.head_dim)
+        self.out = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, idx: torch.Tensor, block_mask: Any, labels: torch.Tensor) -> torch.Tensor:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        x = self.emb(idx)
+        b, s, d = x.shape
+        h, hd, kvh = self.heads, self.head_dim, self.kv_heads
+        q, k, v = self.qkv1(x).view(b, s, 3, h, hd).permute(2, 0, 3, 1, 4)
+        x = x + F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d)
+        q = self.q2(x).view(b, s, h, hd).transpose(1, 2)
+        k, v = self.kv2(x).view(b, s, 2, kvh, hd).permute(2, 0, 3, 1, 4)
+
+        def head_slope(score, b, h, q_idx, kv_idx):
+            return score - (h + 1) * 0.05 * (q_idx - kv_idx).abs()  # a different slope per global head
+
+        y = flex_attention(q, k, v, score_mod=head_slope, block_mask=block_mask, enable_gqa=kvh != h)
+        x = x + self.out(y.transpose(1, 2).reshape(b, s, d))
+        return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
 def hf_causal_lm(
     kind: Literal["llama", "qwen2"] = "llama",
     *,
@@ -249,6 +282,7 @@ __all__ = [
     "LlamaLike",
     "MeanPoolClassifier",
     "RMSNorm",
+    "SdpaThenFlex",
     "hf_causal_lm",
     "rope",
 ]
