@@ -455,3 +455,21 @@ def test_incoming_gradient_statistics_agree_within_tolerance_and_on_nan():
     assert _stats_apart([nan, nan]) == [[0, 1]] and _stats_apart([inf, inf]) == [[0, 1]]  # diverged alike
     assert _stats_apart([nan, same]) == [[0], [1]]
     assert _gradient_stats(None) == _gradient_stats(torch.zeros(0)) == [0.0, 0.0, 0.0]
+
+
+def test_ranks_checking_inputs_differently_are_told_so():
+    # check_inputs="tokens" on one rank, "shapes" on the other, the same inputs: the message names
+    # the option (it once said the contents differ).
+    from autosp.input_check import InputCheck, InputMismatchError, Leaf
+    from autosp.sharding.testing.threads import simulate
+
+    def rank_fn(rank: int, _: str) -> str:
+        ids = torch.arange(8)
+        try:
+            InputCheck(dist.group.WORLD, "tokens" if rank == 0 else "shapes")([Leaf("input_ids", "tensor [8]", ids)])
+        except InputMismatchError as e:
+            return str(e)
+        return "ok"
+
+    for message in simulate(rank_fn, 2):
+        assert "(check_inputs): rank 0: 'tokens'; rank 1: 'shapes'" in message, message

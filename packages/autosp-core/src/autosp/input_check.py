@@ -403,6 +403,9 @@ class InputCheck:
 
     def __call__(self, leaves: list[Leaf], state: list[tuple[str, int]] | None = None) -> None:
         """``state``: the model's parameters and buffers (``param_check.StateDigest``), compared after the inputs."""
+        # The mode itself is compared first: ranks comparing contents differently would otherwise
+        # report contents that differ where only the check does.
+        leaves = [Leaf("(check_inputs)", repr(self.mode)), *leaves]
         digest = digest_bytes("\n".join(f"{leaf.path}: {leaf.meta}" for leaf in leaves).encode())
         state_digest = digest_bytes(repr(state).encode()) if state else 0
         # The generators' digests ride along; rng_check decides whether they must agree.
