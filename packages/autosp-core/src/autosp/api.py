@@ -158,8 +158,7 @@ class AutoSPBackend:
         # weights were checked at their first run and are at every call).
         skip = joined_runs and agreeing is self.group
         if self.param_check is not None and not skip:
-            state = [p or any(i == c for c, _ in captured) for i, p in enumerate(params)]
-            fn = check_state_on_first_run(fn, names, state, self.param_check)
+            fn = check_state_on_first_run(fn, names, params, self.param_check)
         if self.check_graphs and self.input_check is not None:
             fn = guard_graph(fn, names, params, self.input_check)
         if self.world > 1:
