@@ -83,6 +83,20 @@ class _Attribute(torch.nn.Module):
         return self.head(x).square().mean()
 
 
+class _EmptyAcrossBreak(_Attribute):
+    """A value made with ``torch.empty_like`` before a graph break and filled after it: the next graph
+    reads a local of the call (arbitrary bytes per rank until filled), not a captured tensor."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        q, k, v = self.qkv(x).view(*ids.shape, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        x = x + torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2)
+        out = torch.empty_like(x)
+        torch._dynamo.graph_break()
+        out.copy_(x)
+        return self.head(out).square().mean()
+
+
 class _FusedQKV(torch.nn.Module):
     """nanoGPT's attention: one qkv Linear with a bias, viewed [B, S, 3, H, hd]."""
 
@@ -304,6 +318,9 @@ def input_faults(rank: int, world: int) -> dict[str, Any]:
     out["global_filled"] = attempt(lambda: compiled(_ids(2, 32)))
     GLOBAL_SCALE.fill_(1.0)
     out["attribute_agree_again"] = attempt(lambda: compiled(_ids(2, 32)))
+    across = _EmptyAcrossBreak(1.0)
+    out["empty_across_break"] = attempt(lambda: autosp.compile(across, backend="eager")(_ids(2, 32)))
+    out["empty_across_break_reference"] = float(copy.deepcopy(across)(_ids(2, 32)))
     # Called under no_grad on one rank only: Dynamo would compile another graph there (once a hang).
     same = autosp.compile(_Steered(1.0), backend="eager")
     with torch.no_grad() if rank == 1 else contextlib.nullcontext():

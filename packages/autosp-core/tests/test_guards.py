@@ -473,3 +473,27 @@ def test_ranks_checking_inputs_differently_are_told_so():
 
     for message in simulate(rank_fn, 2):
         assert "(check_inputs): rank 0: 'tokens'; rank 1: 'shapes'" in message, message
+
+
+def test_the_backward_check_hooks_only_what_the_program_computed():
+    # A leaf returned as it came (a tensor passed in) lives on: hooked on every call, one backward
+    # would run one more all-gather per earlier call (and a backward on one rank alone would hang).
+    from autosp.guards import check_backward
+
+    calls = []
+
+    class Check:
+        group = None
+
+        def backward(self, grad):
+            calls.append(grad.shape)
+
+    leaf = torch.ones(3, requires_grad=True)
+    for _ in range(3):
+        computed = leaf * 2
+        check_backward(Check(), (computed, leaf))
+        (computed.sum() + leaf.sum()).backward()
+    assert calls == [torch.Size([3])] * 3  # once per backward, for the computed output only
+    check_backward(Check(), leaf)
+    leaf.sum().backward()
+    assert len(calls) == 3

@@ -172,7 +172,9 @@ def captured_inputs(
     names: Sequence[str], example_inputs: Sequence[Any], params: Sequence[bool], given: frozenset[int] | None
 ) -> list[tuple[int, str]]:
     """(index, name) of the graph inputs that are tensors the call was not given and not parameters or
-    buffers: plain tensor attributes of a module (``self.mask = ...``), globals, closures' tensors.
+    buffers, read from the model or the module's globals: plain tensor attributes (``self.mask = ...``,
+    Dynamo's ``L_self_...``) and globals (``G_...``). A local crossing a graph break (``L_x_``) is the
+    call's own value, computed alike on every rank from what was compared, and is not one.
 
     Only inside a guarded call (``given``: its tensors' ids); under ``torch.compile(backend=...)``
     the graph's input check compares every input that is not a parameter or buffer already.
@@ -182,7 +184,11 @@ def captured_inputs(
     return [
         (i, state_name(name))
         for i, (name, x, p) in enumerate(zip(names, example_inputs, params))
-        if not p and type(x) in (torch.Tensor, torch.nn.Parameter) and x.device.type != "meta" and id(x) not in given
+        if not p
+        and name.startswith(("L_self_", "G_"))
+        and type(x) in (torch.Tensor, torch.nn.Parameter)
+        and x.device.type != "meta"
+        and id(x) not in given
     ]
 
 

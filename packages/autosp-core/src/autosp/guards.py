@@ -352,8 +352,9 @@ def check_backward(check: InputCheck, out: Any) -> None:
     """
     from torch.utils import _pytree as pytree
 
-    # Plain tensors only (a DTensor's gradient arrives through its own local tensor).
-    tensors = [t for t in pytree.tree_leaves(out) if type(t) is torch.Tensor and t.requires_grad]
+    # Plain tensors the program computed: a DTensor's gradient arrives through its own local tensor,
+    # and a leaf returned as it came (a tensor passed in) lives on, so hooks on it would pile up.
+    tensors = [t for t in pytree.tree_leaves(out) if type(t) is torch.Tensor and t.grad_fn is not None]
     if not tensors:
         return
 

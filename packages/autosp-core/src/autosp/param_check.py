@@ -115,7 +115,9 @@ def mismatch_message(
         "copies must be equal, or the result matches no single-device model. Seed every rank alike before "
         "building the model (torch.manual_seed), load the same checkpoint on every rank, or broadcast rank "
         "0's state (DDP and DeepSpeed do when they wrap the model); after the first call, step the optimizer and "
-        "load checkpoints on every SP rank alike. check_inputs='shapes' or 'off' skips this check."
+        "load checkpoints on every SP rank alike. A tensor made with torch.empty and only partly written "
+        "differs between processes in the bytes never written: make it with torch.zeros. "
+        "check_inputs='shapes' or 'off' skips this check."
     )
 
 
