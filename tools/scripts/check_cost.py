@@ -11,60 +11,55 @@ all-gather, with the incoming gradient's sums). Prints the median step of each m
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 import statistics
 import sys
-import tempfile
 import time
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 MODES = ("tokens", "shapes", False)
 
 
-def _rank(rank: int, world: int, store: str, out: str, args: argparse.Namespace) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
-    timeout = datetime.timedelta(seconds=300)
-    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world, timeout=timeout)
-    try:
-        import autosp
-        from autosp.testing.models import Config, LlamaLike
+@dataclass
+class _Cfg:
+    seq: int
+    layers: int
+    steps: int
+    nproc: int = 2
 
-        ids = torch.randint(0, 96, (1, args.seq), generator=torch.Generator().manual_seed(0))
-        models = {}
-        for mode in MODES:
-            torch.manual_seed(0)
-            models[mode] = autosp.compile(LlamaLike(Config(layers=args.layers)), backend="aot_eager", check_inputs=mode)
-            models[mode](ids, ids).backward()  # compile
-        times: dict[object, list[float]] = {m: [] for m in MODES}
-        for _ in range(args.steps):
-            for mode, model in models.items():
-                dist.barrier()
-                start = time.perf_counter()
-                model(ids, ids).backward()
-                times[mode].append(time.perf_counter() - start)
-        if rank == 0:
-            line = ", ".join(f"check_inputs={m!r}: {statistics.median(t) * 1e3:.2f} ms" for m, t in times.items())
-            Path(out).write_text(f"median step of {args.steps} (S={args.seq}, {args.layers} layers): {line}")
-    finally:
-        dist.destroy_process_group()
+
+def _rank(cfg: _Cfg, rank: int, world: int) -> str:
+    import autosp
+    from autosp.testing.models import Config, LlamaLike
+
+    ids = torch.randint(0, 96, (1, cfg.seq), generator=torch.Generator().manual_seed(0))
+    models = {}
+    for mode in MODES:
+        torch.manual_seed(0)
+        models[mode] = autosp.compile(LlamaLike(Config(layers=cfg.layers)), backend="aot_eager", check_inputs=mode)
+        models[mode](ids, ids).backward()  # compile
+    times: dict[object, list[float]] = {m: [] for m in MODES}
+    for _ in range(cfg.steps):
+        for mode, model in models.items():
+            dist.barrier()
+            start = time.perf_counter()
+            model(ids, ids).backward()
+            times[mode].append(time.perf_counter() - start)
+    line = ", ".join(f"check_inputs={m!r}: {statistics.median(t) * 1e3:.2f} ms" for m, t in times.items())
+    return f"median step of {cfg.steps} (S={cfg.seq}, {cfg.layers} layers): {line}"
 
 
 def main() -> int:
+    from autosp_tools.launch import launch
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--steps", type=int, default=30)
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "out")
-        mp.start_processes(_rank, args=(2, os.path.join(tmp, "store"), out, args), nprocs=2, start_method="spawn")
-        print(Path(out).read_text())
+    print(launch(_rank, _Cfg(args.seq, args.layers, args.steps)))
     return 0
 
 

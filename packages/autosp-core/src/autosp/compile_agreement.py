@@ -40,6 +40,7 @@ from autosp.analysis.attention import hint, hints
 from autosp.errors import AutoSPError
 from autosp.guards import CollectiveFailure, comm_failure_message, is_comm_failure
 from autosp.input_check import collective_device
+from autosp.param_check import FingerprintCache, ParameterMismatch, mismatch_message
 from autosp.rng_check import digest_bytes
 from autosp.weak_group import WeakGroup
 
@@ -198,8 +199,6 @@ class SameProgramOnEveryRun:
 
 def _refuse_other_tensors(group: Any, what: str, named: Sequence[tuple[str, int]]) -> None:
     """Every rank saw the captured digests differ: name the tensors and which ranks hold what."""
-    from autosp.param_check import ParameterMismatch, mismatch_message
-
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, list(named), group=group)
     ranks = dist.get_process_group_ranks(group)
@@ -209,32 +208,18 @@ def _refuse_other_tensors(group: Any, what: str, named: Sequence[tuple[str, int]
 
 class CapturedDigest:
     """Sample fingerprints of the graph inputs at ``captured`` ((index, name) pairs), recomputed only
-    for a tensor that changed since the last run (its version counter, storage, shape or dtype)."""
+    for a tensor that changed since the last run."""
 
     def __init__(self, captured: Sequence[tuple[int, str]]) -> None:
         self.captured = list(captured)
-        self.cache: dict[int, tuple[tuple[Any, ...], int]] = {}
+        self.cache = FingerprintCache()
 
     @staticmethod
     def digest(named: Sequence[tuple[str, int]]) -> int:
         return digest_bytes(repr(named).encode()) if named else 0
 
     def fingerprints(self, args: Sequence[Any]) -> list[tuple[str, int]]:
-        if not self.captured:
-            return []
-        from autosp.input_check import fingerprint
-        from autosp.param_check import sample
-
-        out = []
-        for i, name in self.captured:
-            t = args[i]
-            key = (t._version, t.data_ptr(), tuple(t.shape), t.dtype)
-            cached = self.cache.get(i)
-            if cached is None or cached[0] != key:
-                cached = (key, int(fingerprint(sample(t)))) if t.numel() else (key, 0)
-                self.cache[i] = cached
-            out.append((name, cached[1]))
-        return out
+        return self.cache([(name, args[i]) for i, name in self.captured]) if self.captured else []
 
 
 def _refuse_other_programs(group: Any, what: str, program: str, error: Exception | None) -> None:

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch._dynamo.exc import FailOnRecompileLimitHit
 from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
+from torch.utils import _pytree as pytree
 
 from autosp.errors import AutoSPError
 from autosp.input_check import (
@@ -350,8 +351,6 @@ def check_backward(check: InputCheck, out: Any) -> None:
     an op in the backward graph: it runs before any of the call's graphs' backwards, graph breaks
     included.
     """
-    from torch.utils import _pytree as pytree
-
     # Plain tensors the program computed: a DTensor's gradient arrives through its own local tensor,
     # and a leaf returned as it came (a tensor passed in) lives on, so hooks on it would pile up.
     tensors = [t for t in pytree.tree_leaves(out) if type(t) is torch.Tensor and t.grad_fn is not None]

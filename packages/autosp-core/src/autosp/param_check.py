@@ -155,15 +155,27 @@ class StateDigest:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
-        self.cache: dict[str, tuple[tuple[Any, ...], int]] = {}
+        self.cache = FingerprintCache()
 
     def fingerprints(self) -> list[tuple[str, int]]:
         """(name, sample fingerprint) of every parameter and buffer, in the model's order."""
-        named = [
-            (name, t)
-            for name, t in [*self.model.named_parameters(), *self.model.named_buffers()]
-            if _plain_tensor(t) and t.numel()
-        ]
+        return self.cache(
+            [
+                (name, t)
+                for name, t in [*self.model.named_parameters(), *self.model.named_buffers()]
+                if _plain_tensor(t) and t.numel()
+            ]
+        )
+
+
+class FingerprintCache:
+    """Sample fingerprints of named tensors, each recomputed only when its tensor changed since the
+    last call (its version counter, storage, shape or dtype); the changed ones in one transfer."""
+
+    def __init__(self) -> None:
+        self.cache: dict[str, tuple[tuple[Any, ...], int]] = {}
+
+    def __call__(self, named: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[str, int]]:
         keys = [(t._version, t.data_ptr(), tuple(t.shape), t.dtype) for _, t in named]
         stale = [i for i, ((name, _), key) in enumerate(zip(named, keys)) if self.cache.get(name, (None,))[0] != key]
         if stale:
@@ -182,6 +194,7 @@ def _plain_tensor(x: Any) -> bool:
 __all__ = [
     "ROWS",
     "SAMPLE",
+    "FingerprintCache",
     "ParameterCheck",
     "StateDigest",
     "ParameterMismatch",
