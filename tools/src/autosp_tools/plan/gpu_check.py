@@ -171,44 +171,46 @@ def _parse_combo(text: str) -> tuple[str, str, bool]:
 def equivalence(
     device: str, quick: bool, combos: tuple[tuple[str, str, bool], ...] = tuple(map(_parse_combo, DEFAULT_COMBOS))
 ) -> dict[str, Any]:
-    from autosp_tools.launch import launch
-
     model = TINY if quick else replace(SHIPPED, vocab=512)
     if quick:
         combos = (("ulysses", "aot_eager", False),)
-    out = {}
-    for variant, backend, sac in combos:
-        key = f"{variant}/{backend}/sac={sac}"
-        cfg = _Cfg(
+    cases = {
+        f"{variant}/{backend}/sac={sac}": _Cfg(
             device=device, model=model, seq=256 if quick else 1024, backend=backend, variant=variant, sac=sac, world=2
         )
+        for variant, backend, sac in combos
+    }
+    return _launch_each(_verify_rank, cases, "verify")
+
+
+def _launch_each(fn: Callable[..., dict[str, Any]], cases: dict[str, _Cfg], what: str) -> dict[str, Any]:
+    """``fn`` on 2 ranks per case; every case runs, and any that did not pass fails the stage after."""
+    from autosp_tools.launch import launch
+
+    out: dict[str, Any] = {}
+    for key, cfg in cases.items():
         try:
-            out[key] = launch(_verify_rank, cfg)
-        except Exception as e:  # noqa: BLE001 - one combination failing is recorded, the others run
+            out[key] = launch(fn, cfg)
+        except Exception as e:  # noqa: BLE001 - one case failing is recorded, the others run
             out[key] = {"passed": False, **_failure(e)}
     failed = [k for k, v in out.items() if not v.get("passed")]
     if failed:
-        raise RuntimeError(f"verify failed for {failed}: {json.dumps(out, default=str)[:3000]}")
+        raise RuntimeError(f"{what} failed for {failed}: {json.dumps(out, default=str)[:3000]}")
     return out
 
 
 def flex(device: str, quick: bool) -> dict[str, Any]:
     """FlexAttention (score_mod, document block mask) under each variant: values and gradients on CUDA."""
-    from autosp_tools.launch import launch
     from autosp_tools.plan.gpu_flex import flex_rank
 
-    out: dict[str, Any] = {}
-    for variant in ("ulysses", "ring"):
-        backend = "inductor" if device == "cuda" else "aot_eager"
-        cfg = _Cfg(device=device, seq=128 if quick else 1024, backend=backend, variant=variant, world=2)
-        try:
-            out[f"{variant}/{backend}"] = launch(flex_rank, cfg)
-        except Exception as e:  # noqa: BLE001 - one variant failing is recorded, the other runs
-            out[f"{variant}/{backend}"] = {"passed": False, **_failure(e)}
-    failed = [k for k, v in out.items() if not v.get("passed")]
-    if failed:
-        raise RuntimeError(f"flex failed for {failed}: {json.dumps(out, default=str)[:3000]}")
-    return out
+    backend = "inductor" if device == "cuda" else "aot_eager"
+    cases = {
+        f"{variant}/{backend}": _Cfg(
+            device=device, seq=128 if quick else 1024, backend=backend, variant=variant, world=2
+        )
+        for variant in ("ulysses", "ring")
+    }
+    return _launch_each(flex_rank, cases, "flex")
 
 
 def overlap_trace(device: str, quick: bool, out: Path) -> dict[str, Any]:
@@ -223,9 +225,8 @@ def overlap_trace(device: str, quick: bool, out: Path) -> dict[str, Any]:
     if not script.exists():
         script = Path.cwd() / "tools" / "scripts" / "overlap_trace.py"
     traces = out.parent / "overlap_traces"
-    size = ["--seq", "256", "--layers", "1", "--dim", "64", "--heads", "4", "--kv-heads", "2", "--steps", "1"]
-    if not quick:
-        size = ["--seq", "8192", "--layers", "4", "--steps", "3"]
+    small = ["--seq", "256", "--layers", "1", "--dim", "64", "--heads", "4", "--kv-heads", "2", "--steps", "1"]
+    size = small if quick else ["--seq", "8192", "--layers", "4", "--steps", "3"]
     cmd = [sys.executable, str(script), "--device", device, "--backends", "aot_eager" if quick else "inductor"]
     done = subprocess.run([*cmd, *size, "--trace", str(traces)], capture_output=True, text=True, timeout=300)
     lines = [line for line in done.stdout.splitlines() if line.strip()]
