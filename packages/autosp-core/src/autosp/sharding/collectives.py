@@ -182,10 +182,17 @@ def all_to_all_wait(buf: Tensor, shape: list[int], scatter_dim: int, gather_dim:
     if buf.numel():
         pending = _PENDING.pop(buf.data_ptr(), None)
         if pending is not None:
-            pending[0].wait()
+            work, _, send = pending
+            work.wait()
             # The send copy dies here, before the layout below allocates the result: the wait's
-            # peak is the receive buffer and the result, not the send copy as well.
-            del pending
+            # peak is the receive buffer and the result, not the send copy as well. Gloo's worker
+            # thread drops its own reference to the buffers only a moment after the wait returns,
+            # so on CPU (where the wait means the exchange is done) the memory is released
+            # explicitly, or the peak would depend on that race. On CUDA the wait only orders
+            # streams: the buffer must live until the communication stream is done with it.
+            if send.device.type == "cpu":
+                send.untyped_storage().resize_(0)
+            del pending, work, send
     world = dist.get_world_size(_group(group_name))
     rest = [n for d, n in enumerate(shape) if d != scatter_dim]
     recv = buf.view(world, shape[scatter_dim] // world, *rest)
