@@ -488,3 +488,69 @@ def groups_after_destroy(rank: int, world: int) -> dict[str, Any]:
     for name, compiled in programs.items():
         out[name] = attempt(lambda compiled=compiled: compiled(ids, ids))
     return out
+
+
+_FAIL_AT_THE_END = {"now": False}
+
+
+@torch.compiler.disable
+def _maybe_fail() -> None:
+    if _FAIL_AT_THE_END["now"]:
+        raise ValueError("a rank-local error after the program's last collective")
+
+
+class _FailsAtTheEnd(torch.nn.Module):
+    """One SDPA layer, then (a graph break) an error on the ranks told to raise one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.qkv, self.head = torch.nn.Embedding(96, 16), torch.nn.Linear(16, 48), torch.nn.Linear(16, 8)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        q, k, v = self.qkv(x).view(*ids.shape, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        x = x + torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2)
+        y = self.head(x).square().mean()
+        _maybe_fail()
+        return y
+
+
+def peer_fails_in_program(rank: int, world: int) -> dict[str, Any]:
+    """A token id outside the embedding's range, in rank 1's tokens only: rank 1's program raises
+    and rank 1 stays alive; rank 0 must learn it at once (``autosp.PeerFailed``), not at the group's
+    timeout (the harness's world: 120 s). First such an id in every rank's tokens: all raise at the
+    same point and go on, and a step where rank 0 comes late (rank 1 polls, reading rank 0's note
+    of that error) runs as usual."""
+    compiled = autosp.compile(_llama(), backend="eager")
+    ids = _ids(2, 32)
+    half = 32 // world
+    out: dict[str, Any] = {"good": attempt(lambda: compiled(ids, ids))}
+    everywhere = ids.clone()
+    everywhere[0, 3] = everywhere[0, half + 3] = 96 + 5
+    out["everywhere"] = attempt(lambda: compiled(everywhere, ids))
+    if rank == 0:
+        time.sleep(1.0)
+    out["after"] = attempt(lambda: compiled(ids, ids))
+    # Rank 1 raises after the program's last collective, catches it and comes back (1 s late, then
+    # 3 s): rank 0 was never stuck, and its waits for rank 1 end as rank 1 comes, not in an error.
+    evaluated = autosp.compile(_FailsAtTheEnd(), backend="eager")
+    with torch.no_grad():
+        out["eval"] = [attempt(lambda: evaluated(ids))]
+        _FAIL_AT_THE_END["now"] = rank == 1
+        out["eval"].append(attempt(lambda: evaluated(ids)))
+        _FAIL_AT_THE_END["now"] = False
+        for late in (1.0, 3.0):
+            if rank == 1:
+                time.sleep(late)
+            out["eval"].append(attempt(lambda: evaluated(ids)))
+    one = ids.clone()
+    one[1, half + 5] = 96 + 5
+    out["one"] = attempt(lambda: compiled(one, ids))
+    # Rank 1 stays alive (a caught error, a checkpoint being saved) until rank 0 has its error.
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 0:
+        store.set("peer_fails_in_program", "done")
+    else:
+        store.wait(["peer_fails_in_program"])
+    return out

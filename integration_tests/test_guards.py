@@ -333,3 +333,28 @@ def test_programs_that_differ_between_ranks_are_refused(faults):
         _error(
             r["sharded_across_break"], "AutoSPError", r"outputs='sharded' an output of one graph crossed a graph break"
         )
+
+
+def test_a_rank_whose_program_raises_fails_its_peers_at_once():
+    r0, r1 = run_spmd(guards_workers.peer_fails_in_program, 2, fresh=True)
+    for r in (r0, r1):
+        assert r["good"]["error"] is None, r["good"]
+        # Every rank raised at the same point and went on: still in step, their notes stale.
+        assert r["everywhere"]["error"] == "IndexError", r["everywhere"]
+        assert r["after"]["error"] is None and r["after"]["loss"] == r["good"]["loss"], r["after"]
+    # A rank that raised alone, after the last collective, and came back is in step again.
+    assert r1["eval"][1]["error"] == "ValueError", r1["eval"]
+    for r in (r0, r1):
+        assert [e["error"] for e in r["eval"][2:]] == [None, None], r["eval"]
+        assert {e["loss"] for e in r["eval"][2:]} == {r0["eval"][0]["loss"]}, r["eval"]
+    assert r0["eval"][3]["seconds"] > 2.5  # it waited past the grace with no note left standing
+    assert r1["one"]["error"] == "IndexError", r1["one"]
+    _error(
+        r0["one"],
+        "PeerFailed",
+        r"global rank 0: global rank 1 of the SP group raised IndexError: index out of range in self",
+        r"can never complete",
+        r"end the job on every rank",
+    )
+    # Within the grace (2 s), not at the group's timeout (120 s).
+    assert r0["one"]["seconds"] < FAST_S, r0["one"]

@@ -11,7 +11,7 @@ from importlib import metadata as _metadata
 from autosp.analysis.attention import AttentionSite, AttentionSpec
 from autosp.api import AutoSPBackend, backend, compile, explain
 from autosp.compile_agreement import CompileFailed, ProgramMismatch
-from autosp.errors import AutoSPError, ConfigError, VerificationError
+from autosp.errors import AutoSPError, ConfigError, PeerFailed, VerificationError
 from autosp.guards import (
     AttentionNotSharded,
     CollectiveFailure,
@@ -55,6 +55,7 @@ __all__ = [
     "InputMismatch",
     "NotSequenceParallel",
     "ParameterMismatch",
+    "PeerFailed",
     "ProgramMismatch",
     "StepMismatch",
     "RandomStateMismatch",

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, TypedDict, cast
 import torch
 import torch.distributed as dist
 
+from autosp import peer_failure
 from autosp.compile_agreement import CapturedDigest, SameProgramOnEveryRun, agree_on_compile_joining_runs, program_text
 from autosp.errors import ConfigError
 from autosp.guards import CALL_INPUTS, GraphRuns, GuardedCall, guard_compiled, guard_graph
@@ -149,6 +150,8 @@ class AutoSPBackend:
                 fn, joined_runs = agree_on_compile_joining_runs(
                     compile_it, agreeing, what, program, digest.fingerprints(example_inputs)
                 )
+            # An error of this graph on this rank only would leave the others in its collectives.
+            fn = peer_failure.announcing(fn)
             report = self.reports[-1]  # compile_graph's, appended as it began
             if report.random_ops and self.input_check is not None:
                 fn = refuse_divergent_rng(fn, report.random_ops, self.input_check.rng_split, what)

@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from autosp import peer_failure
 from autosp.analysis.attention import hint, hints
 from autosp.errors import AutoSPError
 from autosp.guards import CollectiveFailure, comm_failure_message, is_comm_failure
@@ -139,7 +140,9 @@ def _exchange(
     values = [int(error is not None), digest, -digest, captured, -captured, int(compiling), -int(compiling)]
     agreed = torch.tensor(values, dtype=torch.int64, device=collective_device(group))
     try:
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+        peer_failure.wait(
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group, async_op=True), group, agreed.device
+        )
     except Exception as e:
         if is_comm_failure(e):
             raise CollectiveFailure(comm_failure_message(waiting, group, e)) from (error or e)

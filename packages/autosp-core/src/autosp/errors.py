@@ -22,6 +22,14 @@ class ConfigError(AutoSPError, ValueError):
     """Options that do not fit the process group or the installed packages."""
 
 
+class CollectiveFailure(AutoSPError):
+    """A collective of AutoSP did not complete: another SP rank raised, exited or hangs."""
+
+
+class PeerFailed(CollectiveFailure):
+    """Another SP rank's program raised, so this rank's collective can never complete (``autosp.peer_failure``)."""
+
+
 class VerificationError(AutoSPError):
     """``autosp.verify`` found the SP program differs from the single-device program.
 

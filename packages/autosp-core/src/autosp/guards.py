@@ -29,7 +29,8 @@ from torch._dynamo.exc import FailOnRecompileLimitHit
 from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
 from torch.utils import _pytree as pytree
 
-from autosp.errors import AutoSPError
+from autosp import peer_failure
+from autosp.errors import AutoSPError, CollectiveFailure
 from autosp.input_check import (
     GradientMismatchError,
     InputCheck,
@@ -43,19 +44,10 @@ from autosp.input_check import (
     tensor_meta,
 )
 from autosp.options import group_timeout
+from autosp.peer_failure import is_comm_failure
 from autosp.sharded_outputs import SHARDED_ACROSS_BREAK
 from autosp.weak_group import WeakGroup
 
-# gloo's words for a peer that is gone or late; "pair closure" is what a group says on every later
-# collective once one of its operations timed out (the group is dead: compile the program again).
-_COMM_FAILURES = (
-    "Timed out",
-    "timed out",
-    "Connection closed by peer",
-    "Connection reset by peer",
-    "Broken pipe",
-    "Application timeout caused pair closure",
-)
 _MAX_SEEN = 12
 
 
@@ -69,10 +61,6 @@ class StepMismatch(AutoSPError):
 
 class GradientMismatch(AutoSPError):
     """The SP ranks backpropagated different gradients into the compiled program (another loss per rank)."""
-
-
-class CollectiveFailure(AutoSPError):
-    """A collective of AutoSP did not complete: another SP rank raised, exited or hangs."""
 
 
 class EagerFallback(AutoSPError):
@@ -108,22 +96,17 @@ def not_sharded_message(world: int, reports: Sequence[Any]) -> str:
     )
 
 
-def is_comm_failure(e: BaseException) -> bool:
-    """Whether ``e`` is a collective that failed for want of a peer (gloo raises a plain RuntimeError)."""
-    if isinstance(e, dist.DistError):
-        return True
-    return isinstance(e, RuntimeError) and any(s in str(e) for s in _COMM_FAILURES)
-
-
 def comm_failure_message(where: str, group: Any, e: BaseException) -> str:
     ranks = dist.get_process_group_ranks(group)
     first = (str(e).strip().splitlines() or [type(e).__name__])[0]
     timeout = group_timeout(group)
     within = f"the group's timeout ({timeout.total_seconds():g} s)" if timeout else "the group's timeout"
+    note = peer_failure.peer_note(group)
+    cause = f" ({note})" if note else ""
     return (
         f"global rank {dist.get_rank()}: {where} did not complete ({first}). Another rank of the SP group "
-        f"(global ranks {ranks}) did not take part within {within}: it raised an error, exited or hangs, and "
-        "its own log holds the first error. Every rank of the SP group must call the compiled model, with the "
+        f"(global ranks {ranks}) did not take part within {within}: it raised an error{cause}, exited or hangs, "
+        "and its own log holds the first error. Every rank of the SP group must call the compiled model, with the "
         "same inputs, at every step (autosp.compile(timeout=...) sets how long the others wait)."
     )
 
@@ -282,6 +265,10 @@ class GuardedCall:
             try:
                 with _hard_dynamo_failures():
                     out = self.fn(*args, **kwargs)
+            except BaseException as e:
+                # Raised between graphs too (code Dynamo runs in eager): the others wait in the next.
+                peer_failure.announce(e)
+                raise
             finally:
                 CALL_INPUTS.reset(given)
         except FailOnRecompileLimitHit as e:

@@ -21,6 +21,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from autosp import peer_failure
 from autosp.rng_check import DEVICE_TYPES, digest_bytes, rng_digests
 from autosp.torch_compat import all_gather_single
 from autosp.weak_group import WeakGroup
@@ -419,7 +420,7 @@ class InputCheck:
             local[1] = (fps * (weights | 1)).sum()
         # Pre-filled with our own row: a backend that does not communicate (fake) compares equal.
         rows = local.repeat(len(self.ranks))
-        all_gather_single(rows, local, group=self.group)
+        peer_failure.wait(all_gather_single(rows, local, group=self.group, async_op=True), self.group, local.device)
         width = local.numel()
         flat = rows.tolist()
         self._refuse_steps_apart(flat, width)
@@ -450,7 +451,7 @@ class InputCheck:
         local[1:4] = stats.view(torch.int64)  # the float64 sums' bits ride in the int64 row
         local = local.to(self.device)
         rows = local.repeat(len(self.ranks))
-        all_gather_single(rows, local, group=self.group)
+        peer_failure.wait(all_gather_single(rows, local, group=self.group, async_op=True), self.group, local.device)
         table = rows.cpu().view(len(self.ranks), width)
         self._refuse_steps_apart(table.reshape(-1).tolist(), width)
         groups = _stats_apart(table[:, 1:4].contiguous().view(torch.float64).tolist())

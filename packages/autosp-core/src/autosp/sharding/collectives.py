@@ -22,6 +22,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+from autosp import peer_failure
+
 
 def _group(name: str) -> dist.ProcessGroup:
     return _resolve_process_group(name)
@@ -45,7 +47,7 @@ def all_gather(x: Tensor, dim: int, sizes: list[int], group_name: str, grad_repl
         pad = moved.new_zeros((widest - moved.shape[0], *moved.shape[1:]))
         moved = torch.cat([moved, pad])
     pieces = [torch.empty_like(moved) for _ in sizes]
-    dist.all_gather(pieces, moved, group=group)
+    peer_failure.wait(dist.all_gather(pieces, moved, group=group, async_op=True), group, moved.device)
     full = torch.cat([p[:n] for p, n in zip(pieces, sizes)])
     return full.movedim(0, dim).contiguous()
 
@@ -83,11 +85,11 @@ def reduce_scatter(x: Tensor, dim: int, sizes: list[int], group_name: str) -> Te
     if dist.get_backend(group) == "nccl" and len(set(sizes)) == 1:
         moved = x.movedim(dim, 0).contiguous()
         out = moved.new_empty((sizes[rank], *moved.shape[1:]))
-        dist.reduce_scatter_tensor(out, moved, group=group)
+        peer_failure.wait(dist.reduce_scatter_tensor(out, moved, group=group, async_op=True), group, out.device)
         return out.movedim(0, dim).contiguous()
     # gloo has no reduce-scatter: an all-reduce and a local slice give the same result.
     total = x.contiguous().clone()
-    dist.all_reduce(total, group=group)
+    peer_failure.wait(dist.all_reduce(total, group=group, async_op=True), group, total.device)
     # A copy, never a view: Inductor takes a custom op's output for a fresh, aligned allocation,
     # and a narrow along dim 0 would keep a rank-dependent storage offset.
     return total.narrow(dim, start, sizes[rank]).clone(memory_format=torch.contiguous_format)
@@ -107,7 +109,8 @@ def _(x, dim, sizes, group_name):
 @torch.library.custom_op("autosp::all_reduce", mutates_args=())
 def all_reduce(x: Tensor, group_name: str, grad_replicated: bool) -> Tensor:
     out = x.contiguous().clone()
-    dist.all_reduce(out, group=_group(group_name))
+    group = _group(group_name)
+    peer_failure.wait(dist.all_reduce(out, group=group, async_op=True), group, out.device)
     return out
 
 
@@ -183,7 +186,7 @@ def all_to_all_wait(buf: Tensor, shape: list[int], scatter_dim: int, gather_dim:
         pending = _PENDING.pop(buf.data_ptr(), None)
         if pending is not None:
             work, _, send = pending
-            work.wait()
+            peer_failure.wait(work, _group(group_name), send.device)
             # The send copy dies here, before the layout below allocates the result: the wait's
             # peak is the receive buffer and the result, not the send copy as well. Gloo's worker
             # thread drops its own reference to the buffers only a moment after the wait returns,

@@ -1,0 +1,209 @@
+"""A rank whose SP program raises tells the other ranks at once, through the process group's store.
+
+Without it, an error on some ranks only (a token id outside the embedding's range, in the tokens
+of one rank; a label out of range; memory running out on one rank) leaves the other ranks in
+their next collective, which the failed rank never joins, until the group's timeout: gloo's
+default is 30 minutes, a hang to whoever runs the job, and the failed rank may stay alive that
+long (saving a checkpoint, a caught error) without its peers learning why.
+
+* ``announce``: a rank whose compiled program raised writes a note in the default store, under
+  ``autosp/failed/<global rank>``: how many of AutoSP's collectives it had waited for on each of
+  its groups (the SP group, hybrid's subgroups, the compile agreement's), and its error's first line.
+* ``wait``: AutoSP waits for each of its collectives on a CPU (gloo) group in slices of
+  ``POLL``; a wait that outlasts a slice reads the peers' notes and raises ``PeerFailed``, naming
+  the failed rank and its error, once a note that counts has stood for ``GRACE_S`` with the
+  collective still waiting. A wait that completes in time costs nothing more.
+* A note counts unless this rank failed itself after the same number of collectives: ranks that
+  raised at the same point (a bad batch on every rank, caught and skipped on every rank) are
+  still in step, and their notes are stale. A rank whose collective completes again is back in
+  step and deletes its note; the grace covers its way back (its error caught, logged).
+
+Not polled, so ending at the group's timeout as before: CUDA collectives (their wait orders
+streams without blocking the host, and a wait with a timeout would block it), ring's
+point-to-point hops (gloo closes the pair when a timed wait of a send or receive ends first), and
+errors raised in the compiled program's backward (it runs inside autograd's engine: not announced).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from autosp.errors import CollectiveFailure, PeerFailed
+
+# gloo's words for a peer that is gone or late; "pair closure" is what a group says on every later
+# collective once one of its operations timed out (the group is dead: compile the program again).
+_COMM_FAILURES = (
+    "Timed out",
+    "timed out",
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "Application timeout caused pair closure",
+)
+POLL = timedelta(milliseconds=100)
+GRACE_S = 2.0  # how long a note must stand, the collective still waiting, before it counts
+_POLL_TIMED_OUT = "Operation timed out!"  # c10d's Work.wait(timeout) when the slice ends first
+
+_waited: dict[str, int] = {}  # group name -> collectives waited for on it by this process
+_failed_at: dict[str, set[int]] = {}  # group name -> the counts at which this rank raised
+_backends: dict[str, str] = {}
+_noted = False  # this rank's note is in the store
+
+
+def is_comm_failure(e: BaseException) -> bool:
+    """Whether ``e`` is a collective that failed for want of a peer (gloo raises a plain RuntimeError)."""
+    if isinstance(e, dist.DistError):
+        return True
+    return isinstance(e, RuntimeError) and any(s in str(e) for s in _COMM_FAILURES)
+
+
+def _key(rank: int) -> str:
+    return f"autosp/failed/{rank}"
+
+
+def _store() -> Any:
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # no default group (a group of another world), or torch changed: no notes
+        return None
+
+
+def _polls(group: Any, device: torch.device) -> bool:
+    if device.type != "cpu":
+        return False
+    name = group.group_name
+    if name not in _backends:
+        _backends[name] = str(dist.get_backend(group))
+    return "gloo" in _backends[name]
+
+
+def wait(work: Any, group: Any, device: torch.device) -> None:
+    """``work.wait()``, raising ``PeerFailed`` when a peer announced an error it does not come back from."""
+    global _noted
+    name = group.group_name
+    _waited[name] = _waited.get(name, 0) + 1
+    if not _polls(group, device):
+        work.wait()
+    else:
+        _wait_polling(work, group)
+    if _noted:
+        # A collective completed with its peers: this rank is back in step, its note is stale.
+        _noted = False
+        store = _store()
+        if store is not None:
+            store.delete_key(_key(dist.get_rank()))
+
+
+def _wait_polling(work: Any, group: Any) -> None:
+    noticed: float | None = None
+    while True:
+        try:
+            work.wait(POLL)
+            return
+        except RuntimeError as e:
+            # Only the slice's end says this; a work that completed since waits no more next time,
+            # and one that failed raises its own error then (a peer gone, the group's timeout).
+            if _POLL_TIMED_OUT not in str(e):
+                raise
+        failure = peer_note(group)
+        if failure is None:
+            noticed = None
+            continue
+        # A rank that raised and goes on (its error caught) takes a moment to come back; one that
+        # does not leaves its note in place.
+        noticed = time.monotonic() if noticed is None else noticed
+        if time.monotonic() - noticed >= GRACE_S:
+            raise PeerFailed(
+                f"global rank {dist.get_rank()}: {failure}, so this rank's collective of the SP program can never "
+                "complete. The failed rank's log holds its whole error; the SP group cannot be used after it: end "
+                "the job on every rank, or fix the input that raised there."
+            )
+
+
+def peer_note(group: Any) -> str | None:
+    """The first peer's failure that counts on ``group`` (see the module's docstring), in words, or ``None``."""
+    store = _store()
+    if store is None:
+        return None
+    for rank in dist.get_process_group_ranks(group):
+        try:
+            if rank == dist.get_rank() or not store.check([_key(rank)]):
+                continue
+            note = store.get(_key(rank)).decode(errors="replace")
+        except Exception:  # the store went with a rank that exited: nothing to add
+            return None
+        error = counting_error(note, group.group_name, _failed_at.get(group.group_name, set()))
+        if error is not None:
+            return f"global rank {rank} of the SP group raised {error}"
+    return None
+
+
+def note_of(error: BaseException, waited: dict[str, int]) -> str | None:
+    """What a rank that raised ``error`` writes (``waited``: its collectives per group so far), or
+    ``None`` for a rank that only failed for want of a peer (a victim: the cause is another's)."""
+    if isinstance(error, CollectiveFailure) or is_comm_failure(error):
+        return None
+    counts = " ".join(f"{name}={count}" for name, count in waited.items())
+    first = (str(error).strip().splitlines() or [""])[0][:300]
+    return f"{counts}\n{type(error).__name__}: {first}" if first else f"{counts}\n{type(error).__name__}"
+
+
+def counting_error(note: str, group_name: str, failed_at: set[int]) -> str | None:
+    """The error a peer's ``note`` names when it counts on ``group_name``: unless this rank raised
+    too after the same number of the group's collectives (``failed_at``), so both went on in step."""
+    counts, _, error = note.partition("\n")
+    pairs = (entry.rpartition("=") for entry in counts.split(" ") if entry)
+    count = {name: int(n) for name, _, n in pairs}.get(group_name, 0)
+    return None if count in failed_at else error
+
+
+def announce(error: BaseException) -> None:
+    """Tell the ranks of this rank's groups that its program raised ``error`` (not a peer's failure)."""
+    global _noted
+    if not dist.is_initialized():
+        return
+    note = note_of(error, _waited)
+    store = _store()
+    if note is None or store is None:
+        return
+    for name, count in _waited.items():
+        _failed_at.setdefault(name, set()).add(count)
+    try:
+        store.set(_key(dist.get_rank()), note)
+        _noted = True
+    except Exception:  # the store is gone too (the job is ending): the error itself still raises
+        pass
+
+
+def announcing(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` (a compiled graph's forward), announcing what it raises to the ranks of this rank's groups."""
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except BaseException as e:
+            announce(e)
+            raise
+
+    return run
+
+
+__all__ = [
+    "POLL",
+    "PeerFailed",
+    "announce",
+    "announcing",
+    "counting_error",
+    "is_comm_failure",
+    "note_of",
+    "peer_note",
+    "wait",
+]

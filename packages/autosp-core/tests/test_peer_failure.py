@@ -1,0 +1,45 @@
+"""The notes a failed rank leaves its peers (``autosp.peer_failure``): who writes one, and when it counts.
+
+The protocol end to end (a rank raising in its program, its peers failing at once, ranks that all
+raised at the same point going on) is ``integration_tests/test_guards.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from autosp.errors import CollectiveFailure, PeerFailed
+from autosp.peer_failure import counting_error, note_of
+
+WAITED = {"0": 7, "3": 2}
+
+
+def test_a_rank_that_raised_notes_its_error_and_its_place_in_each_group():
+    note = note_of(IndexError("index out of range in self\nmore lines"), WAITED)
+    assert note == "0=7 3=2\nIndexError: index out of range in self"
+    assert note_of(KeyboardInterrupt(), {"0": 1}) == "0=1\nKeyboardInterrupt"
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        CollectiveFailure("global rank 0: a collective of the SP program did not complete"),
+        PeerFailed("global rank 0: global rank 1 of the SP group raised IndexError"),
+        RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:39619"),
+        RuntimeError("Timed out waiting 60000ms for send operation to complete"),
+    ],
+)
+def test_a_rank_that_failed_for_want_of_a_peer_leaves_no_note(error):
+    # Its note would name a victim, not the cause, to the ranks that read it first.
+    assert note_of(error, WAITED) is None
+
+
+def test_a_note_counts_unless_this_rank_raised_at_the_same_point():
+    note = "0=7 3=2\nIndexError: index out of range in self"
+    assert counting_error(note, "0", set()) == "IndexError: index out of range in self"
+    assert counting_error(note, "0", {7}) is None  # both raised after 7 collectives: still in step
+    assert counting_error(note, "0", {3, 9}) == "IndexError: index out of range in self"
+    assert counting_error(note, "3", {2}) is None
+    # A group the failed rank never waited on: it failed before its first collective there.
+    assert counting_error(note, "5", set()) == "IndexError: index out of range in self"
+    assert counting_error(note, "5", {0}) is None
