@@ -516,13 +516,13 @@ class _FailsAtTheEnd(torch.nn.Module):
         return y
 
 
-def peer_fails_in_program(rank: int, world: int) -> dict[str, Any]:
+def peer_fails_in_program(rank: int, world: int, variant: str) -> dict[str, Any]:
     """A token id outside the embedding's range, in rank 1's tokens only: rank 1's program raises
     and rank 1 stays alive; rank 0 must learn it at once (``autosp.PeerFailed``), not at the group's
     timeout (the harness's world: 120 s). First such an id in every rank's tokens: all raise at the
     same point and go on, and a step where rank 0 comes late (rank 1 polls, reading rank 0's note
     of that error) runs as usual."""
-    compiled = autosp.compile(_llama(), backend="eager")
+    compiled = autosp.compile(_llama(), backend="eager", variant=variant)
     ids = _ids(2, 32)
     half = 32 // world
     out: dict[str, Any] = {"good": attempt(lambda: compiled(ids, ids))}
@@ -534,7 +534,7 @@ def peer_fails_in_program(rank: int, world: int) -> dict[str, Any]:
     out["after"] = attempt(lambda: compiled(ids, ids))
     # Rank 1 raises after the program's last collective, catches it and comes back (1 s late, then
     # 3 s): rank 0 was never stuck, and its waits for rank 1 end as rank 1 comes, not in an error.
-    evaluated = autosp.compile(_FailsAtTheEnd(), backend="eager")
+    evaluated = autosp.compile(_FailsAtTheEnd(), backend="eager", variant=variant)
     with torch.no_grad():
         out["eval"] = [attempt(lambda: evaluated(ids))]
         _FAIL_AT_THE_END["now"] = rank == 1

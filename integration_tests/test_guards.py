@@ -335,8 +335,9 @@ def test_programs_that_differ_between_ranks_are_refused(faults):
         )
 
 
-def test_a_rank_whose_program_raises_fails_its_peers_at_once():
-    r0, r1 = run_spmd(guards_workers.peer_fails_in_program, 2, fresh=True)
+@pytest.mark.parametrize("variant", ["ulysses", "ring"])  # all-to-alls; ring's hops
+def test_a_rank_whose_program_raises_fails_its_peers_at_once(variant):
+    r0, r1 = run_spmd(guards_workers.peer_fails_in_program, 2, variant, fresh=True)
     for r in (r0, r1):
         assert r["good"]["error"] is None, r["good"]
         # Every rank raised at the same point and went on: still in step, their notes stale.

@@ -19,9 +19,10 @@ long (saving a checkpoint, a caught error) without its peers learning why.
   step and deletes its note; the grace covers its way back (its error caught, logged).
 
 Not polled, so ending at the group's timeout as before: CUDA collectives (their wait orders
-streams without blocking the host, and a wait with a timeout would block it), ring's
-point-to-point hops (gloo closes the pair when a timed wait of a send or receive ends first), and
-errors raised in the compiled program's backward (it runs inside autograd's engine: not announced).
+streams without blocking the host, and a wait with a timeout would block it), gloo's
+point-to-point sends and receives (a timed wait that ends first closes the pair: ring's hops on
+gloo are all-to-alls for this), and errors raised in the compiled program's backward (it runs
+inside autograd's engine: not announced).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Ring attention as one opaque custom op with a hand-written ring backward.
 
 Rank ``c`` of the ring group holds query chunk ``c`` (positions ``[c*L, (c+1)*L)``)
-and its own k/v chunk.  k/v travel one hop per step (P2P isend/irecv, the
-next hop overlapping this block's compute); each block's partial result merges
+and its own k/v chunk.  k/v travel one hop per step (P2P isend/irecv; on gloo an all-to-all
+in which only neighbours send, whose wait can be polled; the next hop overlapping this block's
+compute); each block's partial result merges
 into fp32 (out, lse).  The backward makes the same trip: k/v travel again with
 fp32 dk/dv accumulators, which end up back at their owner.  Every rank keeps
 O(S/P) activations: its q, k, v, out and lse.
@@ -16,8 +17,8 @@ mask, zigzag pieces) with an additive mask tile; fully masked blocks are skipped
 without a kernel, a kernel that fails its one-time check against that math, and the whole backward
 when the model's mask needs a gradient (a learned bias: the kernels give none for the mask).
 
-The op is opaque to make_fx/AOT autograd (``custom_op``), so its P2P traffic is
-never traced; all ranks run the same number of steps, so every send has its receive.
+The op is opaque to make_fx/AOT autograd (``custom_op``), so its traffic is never traced; all
+ranks run the same number of steps, so every send has its receive.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+from autosp import peer_failure
 from autosp_ring import kernels, saturated
 from autosp_ring.blocks import (
     FUSED_KERNEL,
@@ -63,8 +65,13 @@ def host_staged(backend: str, device: torch.device) -> bool:
     """
     if device.type == "cpu":
         return False
+    return _backend_of(backend, device.type) == "gloo"
+
+
+def _backend_of(backend: str, device_type: str) -> str:
+    """The backend that a group (``dist.get_backend``'s string) uses for ``device_type`` tensors."""
     per_device = dict(part.split(":", 1) for part in backend.split(",")) if ":" in backend else {}
-    return per_device.get(device.type, backend) == "gloo"
+    return per_device.get(device_type, backend)
 
 
 class _Ring:
@@ -85,17 +92,24 @@ class _Ring:
         if host_staged(self.backend, device):
             buf = buf.cpu()  # the copy syncs with the kernels that wrote buf
         recv = torch.empty_like(buf)
+        if buf.device.type == "cpu" and _backend_of(self.backend, "cpu") == "gloo":
+            # gloo's point-to-point waits cannot be polled (a wait that times out closes the pair),
+            # its collectives' can: the hop is an all-to-all in which only the two neighbours send
+            # bytes, so that a peer whose program raised ends this wait (autosp.peer_failure).
+            sends, recvs = [0] * self.world, [0] * self.world
+            sends[(self.rank + offset) % self.world] = recvs[(self.rank - offset) % self.world] = buf.numel()
+            work = dist.all_to_all_single(recv.view(-1), buf.reshape(-1), recvs, sends, group=self.group, async_op=True)
+            return [work], recv, device, buf
         ops = [
             dist.P2POp(dist.isend, buf, self._global(self.rank + offset), self.group, tag),
             dist.P2POp(dist.irecv, recv, self._global(self.rank - offset), self.group, tag),
         ]
         return dist.batch_isend_irecv(ops), recv, device, buf  # buf: the send stays alive until finish
 
-    @staticmethod
-    def finish(pending: Any) -> Tensor:
+    def finish(self, pending: Any) -> Tensor:
         works, recv, device, _ = pending
         for w in works:
-            w.wait()
+            peer_failure.wait(w, self.group, recv.device)
         return recv.to(device)
 
 
