@@ -554,3 +554,19 @@ def peer_fails_in_program(rank: int, world: int, variant: str) -> dict[str, Any]
     else:
         store.wait(["peer_fails_in_program"])
     return out
+
+
+def peer_fails_in_hybrid(rank: int, world: int) -> dict[str, Any]:
+    """4 ranks under hybrid (2 x 2): rank 3's tokens hold an id outside the embedding's range.
+    Rank 0 shares no subgroup with rank 3: it waits on ranks 1 and 2, which pass the cause on."""
+    compiled = autosp.compile(_llama(), backend="eager", variant="hybrid")
+    ids = _ids(2, 32)
+    out = {"good": attempt(lambda: compiled(ids, ids))}
+    bad = ids.clone()
+    bad[1, 3 * (32 // world) + 3] = 96 + 5
+    out["bad"] = attempt(lambda: compiled(bad, ids))
+    store = dist.distributed_c10d._get_default_store()
+    store.add("peer_fails_in_hybrid", 1)
+    while int(store.add("peer_fails_in_hybrid", 0)) < world:  # every rank stays alive until all have failed
+        time.sleep(0.05)
+    return out

@@ -359,3 +359,13 @@ def test_a_rank_whose_program_raises_fails_its_peers_at_once(variant):
     )
     # Within the grace (2 s), not at the group's timeout (120 s).
     assert r0["one"]["seconds"] < FAST_S, r0["one"]
+
+
+def test_a_failure_reaches_ranks_that_share_no_group_with_the_failed_rank():
+    results = run_spmd(guards_workers.peer_fails_in_hybrid, 4, fresh=True)
+    assert all(r["good"]["error"] is None for r in results), results
+    assert results[3]["bad"]["error"] == "IndexError", results[3]
+    for rank, r in enumerate(results[:3]):
+        _error(r["bad"], "PeerFailed", rf"global rank {rank}: global rank 3 of the SP group raised IndexError")
+        assert r["bad"]["seconds"] < FAST_S, (rank, r["bad"])  # before: rank 0 waited for the timeout
+    assert "relayed" in results[0]["bad"]["message"], results[0]

@@ -15,9 +15,9 @@ WAITED = {"0": 7, "3": 2}
 
 
 def test_a_rank_that_raised_notes_its_error_and_its_place_in_each_group():
-    note = note_of(IndexError("index out of range in self\nmore lines"), WAITED)
-    assert note == "0=7 3=2\nIndexError: index out of range in self"
-    assert note_of(KeyboardInterrupt(), {"0": 1}) == "0=1\nKeyboardInterrupt"
+    note = note_of(IndexError("index out of range in self\nmore lines"), WAITED, 5)
+    assert note == "0=7 3=2\n5\nIndexError: index out of range in self"
+    assert note_of(KeyboardInterrupt(), {"0": 1}, 0) == "0=1\n0\nKeyboardInterrupt"
 
 
 @pytest.mark.parametrize(
@@ -31,15 +31,16 @@ def test_a_rank_that_raised_notes_its_error_and_its_place_in_each_group():
 )
 def test_a_rank_that_failed_for_want_of_a_peer_leaves_no_note(error):
     # Its note would name a victim, not the cause, to the ranks that read it first.
-    assert note_of(error, WAITED) is None
+    assert note_of(error, WAITED, 0) is None
 
 
 def test_a_note_counts_unless_this_rank_raised_at_the_same_point():
-    note = "0=7 3=2\nIndexError: index out of range in self"
-    assert counting_error(note, "0", set()) == "IndexError: index out of range in self"
+    note = "0=7 3=2\n5\nIndexError: index out of range in self"
+    cause = (5, "IndexError: index out of range in self")
+    assert counting_error(note, "0", set()) == cause
     assert counting_error(note, "0", {7}) is None  # both raised after 7 collectives: still in step
-    assert counting_error(note, "0", {3, 9}) == "IndexError: index out of range in self"
+    assert counting_error(note, "0", {3, 9}) == cause
     assert counting_error(note, "3", {2}) is None
     # A group the failed rank never waited on: it failed before its first collective there.
-    assert counting_error(note, "5", set()) == "IndexError: index out of range in self"
+    assert counting_error(note, "5", set()) == cause
     assert counting_error(note, "5", {0}) is None

@@ -9,6 +9,8 @@ long (saving a checkpoint, a caught error) without its peers learning why.
 * ``announce``: a rank whose compiled program raised writes a note in the default store, under
   ``autosp/failed/<global rank>``: how many of AutoSP's collectives it had waited for on each of
   its groups (the SP group, hybrid's subgroups, the compile agreement's), and its error's first line.
+  A rank that raises ``PeerFailed`` passes the cause on in a note of its own: hybrid's ranks that
+  share no subgroup with the failed rank wait on it.
 * ``wait``: AutoSP waits for each of its collectives on a CPU (gloo) group in slices of
   ``POLL``; a wait that outlasts a slice reads the peers' notes and raises ``PeerFailed``, naming
   the failed rank and its error, once a note that counts has stood for ``GRACE_S`` with the
@@ -121,15 +123,26 @@ def _wait_polling(work: Any, group: Any) -> None:
         # does not leaves its note in place.
         noticed = time.monotonic() if noticed is None else noticed
         if time.monotonic() - noticed >= GRACE_S:
+            origin, error, via = failure
+            # Passed on: ranks that share a group with this one but not with the failed rank
+            # (hybrid's other subgroups) wait on this rank now.
+            _write(f"{_counts(_waited)}\n{origin}\n{error}")
+            me = dist.get_rank()
+            if origin == me:  # it came back too late: the others gave up on it
+                cause = f"this rank raised {error} earlier and did not come back within {GRACE_S:g} s"
+            else:
+                relayed = f" (as global rank {via} relayed)" if via != origin else ""
+                cause = f"global rank {origin} of the SP group raised {error}{relayed}"
             raise PeerFailed(
-                f"global rank {dist.get_rank()}: {failure}, so this rank's collective of the SP program can never "
-                "complete. The failed rank's log holds its whole error; the SP group cannot be used after it: end "
-                "the job on every rank, or fix the input that raised there."
+                f"global rank {me}: {cause}, so this rank's collective of the SP program can never complete. The "
+                "failed rank's log holds its whole error; the SP group cannot be used after it: end the job on "
+                "every rank, or fix the input that raised there."
             )
 
 
-def peer_note(group: Any) -> str | None:
-    """The first peer's failure that counts on ``group`` (see the module's docstring), in words, or ``None``."""
+def peer_note(group: Any) -> tuple[int, str, int] | None:
+    """The first peer's failure that counts on ``group`` (see the module's docstring): the rank that
+    raised, its error, and the peer whose note said so; or ``None``."""
     store = _store()
     if store is None:
         return None
@@ -140,47 +153,57 @@ def peer_note(group: Any) -> str | None:
             note = store.get(_key(rank)).decode(errors="replace")
         except Exception:  # the store went with a rank that exited: nothing to add
             return None
-        error = counting_error(note, group.group_name, _failed_at.get(group.group_name, set()))
-        if error is not None:
-            return f"global rank {rank} of the SP group raised {error}"
+        failure = counting_error(note, group.group_name, _failed_at.get(group.group_name, set()))
+        if failure is not None:
+            return failure[0], failure[1], rank
     return None
 
 
-def note_of(error: BaseException, waited: dict[str, int]) -> str | None:
-    """What a rank that raised ``error`` writes (``waited``: its collectives per group so far), or
-    ``None`` for a rank that only failed for want of a peer (a victim: the cause is another's)."""
+def _counts(waited: dict[str, int]) -> str:
+    return " ".join(f"{name}={count}" for name, count in waited.items())
+
+
+def note_of(error: BaseException, waited: dict[str, int], rank: int) -> str | None:
+    """What ``rank``, having raised ``error``, writes (``waited``: its collectives per group so far),
+    or ``None`` for a rank that only failed for want of a peer (it passes on the cause it read)."""
     if isinstance(error, CollectiveFailure) or is_comm_failure(error):
         return None
-    counts = " ".join(f"{name}={count}" for name, count in waited.items())
     first = (str(error).strip().splitlines() or [""])[0][:300]
-    return f"{counts}\n{type(error).__name__}: {first}" if first else f"{counts}\n{type(error).__name__}"
+    what = f"{type(error).__name__}: {first}" if first else type(error).__name__
+    return f"{_counts(waited)}\n{rank}\n{what}"
 
 
-def counting_error(note: str, group_name: str, failed_at: set[int]) -> str | None:
-    """The error a peer's ``note`` names when it counts on ``group_name``: unless this rank raised
-    too after the same number of the group's collectives (``failed_at``), so both went on in step."""
-    counts, _, error = note.partition("\n")
+def counting_error(note: str, group_name: str, failed_at: set[int]) -> tuple[int, str] | None:
+    """The rank and error a peer's ``note`` names when it counts on ``group_name``: unless this rank
+    raised too after the same number of the group's collectives (``failed_at``), so both went on in step."""
+    counts, origin, error = note.split("\n", 2)
     pairs = (entry.rpartition("=") for entry in counts.split(" ") if entry)
     count = {name: int(n) for name, _, n in pairs}.get(group_name, 0)
-    return None if count in failed_at else error
+    return None if count in failed_at else (int(origin), error)
 
 
-def announce(error: BaseException) -> None:
-    """Tell the ranks of this rank's groups that its program raised ``error`` (not a peer's failure)."""
+def _write(note: str) -> None:
     global _noted
-    if not dist.is_initialized():
-        return
-    note = note_of(error, _waited)
     store = _store()
-    if note is None or store is None:
+    if store is None:
         return
-    for name, count in _waited.items():
-        _failed_at.setdefault(name, set()).add(count)
     try:
         store.set(_key(dist.get_rank()), note)
         _noted = True
     except Exception:  # the store is gone too (the job is ending): the error itself still raises
         pass
+
+
+def announce(error: BaseException) -> None:
+    """Tell the ranks of this rank's groups that its program raised ``error`` (not a peer's failure)."""
+    if not dist.is_initialized():
+        return
+    note = note_of(error, _waited, dist.get_rank())
+    if note is None:
+        return
+    for name, count in _waited.items():
+        _failed_at.setdefault(name, set()).add(count)
+    _write(note)
 
 
 def announcing(fn: Callable[..., Any]) -> Callable[..., Any]:
