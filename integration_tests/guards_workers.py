@@ -570,3 +570,24 @@ def peer_fails_in_hybrid(rank: int, world: int) -> dict[str, Any]:
     while int(store.add("peer_fails_in_hybrid", 0)) < world:  # every rank stays alive until all have failed
         time.sleep(0.05)
     return out
+
+
+def failed_rank_leaves(rank: int, world: int) -> dict[str, Any]:
+    """Rank 1 announces an error of its program and leaves the group at once: rank 0's next
+    collective fails on the closed connection, and its message names rank 1's error."""
+    from autosp import peer_failure
+    from autosp.guards import naming_comm_failures
+
+    group, x = dist.group.WORLD, torch.ones(3)
+    peer_failure.wait(dist.all_reduce(x, async_op=True), group, x.device)
+    if rank == 1:
+        peer_failure.announce(IndexError("index out of range in self"))
+        dist.destroy_process_group()
+        return {}
+
+    def collective() -> None:
+        with naming_comm_failures("a collective of the SP program", group):
+            peer_failure.wait(dist.all_reduce(x, async_op=True), group, x.device)
+
+    time.sleep(0.5)
+    return {"after": attempt(collective)}

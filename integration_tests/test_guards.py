@@ -369,3 +369,13 @@ def test_a_failure_reaches_ranks_that_share_no_group_with_the_failed_rank():
         _error(r["bad"], "PeerFailed", rf"global rank {rank}: global rank 3 of the SP group raised IndexError")
         assert r["bad"]["seconds"] < FAST_S, (rank, r["bad"])  # before: rank 0 waited for the timeout
     assert "relayed" in results[0]["bad"]["message"], results[0]
+
+
+def test_a_failed_rank_that_left_is_named_with_its_error():
+    r0, _ = run_spmd(guards_workers.failed_rank_leaves, 2, fresh=True)
+    _error(
+        r0["after"],
+        "CollectiveFailure",
+        r"Connection closed by peer",
+        re.escape("it raised an error (global rank 1: IndexError: index out of range in self), exited or hangs"),
+    )

@@ -102,7 +102,7 @@ def comm_failure_message(where: str, group: Any, e: BaseException) -> str:
     timeout = group_timeout(group)
     within = f"the group's timeout ({timeout.total_seconds():g} s)" if timeout else "the group's timeout"
     note = peer_failure.peer_note(group)
-    cause = f" ({note})" if note else ""
+    cause = f" (global rank {note[0]}: {note[1]})" if note else ""
     return (
         f"global rank {dist.get_rank()}: {where} did not complete ({first}). Another rank of the SP group "
         f"(global ranks {ranks}) did not take part within {within}: it raised an error{cause}, exited or hangs, "

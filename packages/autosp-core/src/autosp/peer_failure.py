@@ -100,8 +100,11 @@ def wait(work: Any, group: Any, device: torch.device) -> None:
         # A collective completed with its peers: this rank is back in step, its note is stale.
         _noted = False
         store = _store()
-        if store is not None:
-            store.delete_key(_key(dist.get_rank()))
+        try:
+            if store is not None:
+                store.delete_key(_key(dist.get_rank()))
+        except Exception:  # the store went with a rank that exited: the next collective says so
+            pass
 
 
 def _wait_polling(work: Any, group: Any) -> None:
