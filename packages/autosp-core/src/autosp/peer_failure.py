@@ -14,7 +14,8 @@ long (saving a checkpoint, a caught error) without its peers learning why.
 * ``wait``: AutoSP waits for each of its collectives on a CPU (gloo) group in slices of
   ``POLL``; a wait that outlasts a slice reads the peers' notes and raises ``PeerFailed``, naming
   the failed rank and its error, once a note that counts has stood for ``GRACE_S`` with the
-  collective still waiting. A wait that completes in time costs nothing more.
+  collective still waiting. A wait that completes in time costs nothing more; one that does reads
+  one key of the store per slice (how many notes were ever written) until there is a note.
 * A note counts unless this rank failed itself after the same number of collectives: ranks that
   raised at the same point (a bad batch on every rank, caught and skipped on every rank) are
   still in step, and their notes are stale. A rank whose collective completes again is back in
@@ -69,6 +70,9 @@ def is_comm_failure(e: BaseException) -> bool:
 
 def _key(rank: int) -> str:
     return f"autosp/failed/{rank}"
+
+
+_WRITTEN = "autosp/failed/count"  # notes ever written: a waiting rank reads one key until there is one
 
 
 def _store() -> Any:
@@ -149,6 +153,11 @@ def peer_note(group: Any) -> tuple[int, str, int] | None:
     store = _store()
     if store is None:
         return None
+    try:
+        if store.add(_WRITTEN, 0) == 0:
+            return None
+    except Exception:  # the store went with a rank that exited: nothing to add
+        return None
     for rank in dist.get_process_group_ranks(group):
         try:
             if rank == dist.get_rank() or not store.check([_key(rank)]):
@@ -192,6 +201,7 @@ def _write(note: str) -> None:
         return
     try:
         store.set(_key(dist.get_rank()), note)
+        store.add(_WRITTEN, 1)
         _noted = True
     except Exception:  # the store is gone too (the job is ending): the error itself still raises
         pass
