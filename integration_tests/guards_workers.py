@@ -499,19 +499,14 @@ def _maybe_fail() -> None:
         raise ValueError("a rank-local error after the program's last collective")
 
 
-class _FailsAtTheEnd(torch.nn.Module):
-    """One SDPA layer, then (a graph break) an error on the ranks told to raise one."""
+class _FailsAtTheEnd(_Steered):
+    """``_Steered``, then (a graph break) an error on the ranks told to raise one."""
 
     def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.embed, self.qkv, self.head = torch.nn.Embedding(96, 16), torch.nn.Linear(16, 48), torch.nn.Linear(16, 8)
+        super().__init__(1.0)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed(ids)
-        q, k, v = self.qkv(x).view(*ids.shape, 3, 2, 8).permute(2, 0, 3, 1, 4)
-        x = x + torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2)
-        y = self.head(x).square().mean()
+    def forward(self, ids: torch.Tensor, settings: Any = None) -> torch.Tensor:
+        y = super().forward(ids, settings)
         _maybe_fail()
         return y
 
