@@ -57,7 +57,6 @@ _POLL_TIMED_OUT = "Operation timed out!"  # c10d's Work.wait(timeout) when the s
 
 _waited: dict[str, int] = {}  # group name -> collectives waited for on it by this process
 _failed_at: dict[str, set[int]] = {}  # group name -> the counts at which this rank raised
-_backends: dict[str, str] = {}
 _noted = False  # this rank's note is in the store
 
 
@@ -83,12 +82,8 @@ def _store() -> Any:
 
 
 def _polls(group: Any, device: torch.device) -> bool:
-    if device.type != "cpu":
-        return False
-    name = group.group_name
-    if name not in _backends:
-        _backends[name] = str(dist.get_backend(group))
-    return "gloo" in _backends[name]
+    # Not cached by name: a group made after destroy_process_group can take a destroyed one's name.
+    return device.type == "cpu" and "gloo" in str(dist.get_backend(group))
 
 
 def wait(work: Any, group: Any, device: torch.device) -> None:
