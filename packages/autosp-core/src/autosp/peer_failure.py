@@ -54,6 +54,7 @@ _COMM_FAILURES = (
 POLL = timedelta(milliseconds=100)
 GRACE_S = 2.0  # how long a note must stand, the collective still waiting, before it counts
 _POLL_TIMED_OUT = "Operation timed out!"  # c10d's Work.wait(timeout) when the slice ends first
+_WRITTEN = "autosp/failed/count"  # notes ever written: a waiting rank reads one key until there is one
 
 _waited: dict[str, int] = {}  # group name -> collectives waited for on it by this process
 _failed_at: dict[str, set[int]] = {}  # group name -> the counts at which this rank raised
@@ -69,9 +70,6 @@ def is_comm_failure(e: BaseException) -> bool:
 
 def _key(rank: int) -> str:
     return f"autosp/failed/{rank}"
-
-
-_WRITTEN = "autosp/failed/count"  # notes ever written: a waiting rank reads one key until there is one
 
 
 def _store() -> Any:
