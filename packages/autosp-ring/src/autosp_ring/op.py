@@ -1,12 +1,11 @@
 """Ring attention as one opaque custom op with a hand-written ring backward.
 
-Rank ``c`` of the ring group holds query chunk ``c`` (positions ``[c*L, (c+1)*L)``)
-and its own k/v chunk.  k/v travel one hop per step (P2P isend/irecv; on gloo an all-to-all
-in which only neighbours send, whose wait can be polled; the next hop overlapping this block's
-compute); each block's partial result merges
-into fp32 (out, lse).  The backward makes the same trip: k/v travel again with
-fp32 dk/dv accumulators, which end up back at their owner.  Every rank keeps
-O(S/P) activations: its q, k, v, out and lse.
+Rank ``c`` of the ring group holds query chunk ``c`` (positions ``[c*L, (c+1)*L)``) and its own
+k/v chunk.  k/v travel one hop per step (P2P isend/irecv; on gloo CPU an all-to-all in which only
+neighbours send, whose wait can be polled for a failed peer; the next hop overlapping this block's
+compute); each block's partial result merges into fp32 (out, lse).  The backward makes the same
+trip: k/v travel again with fp32 dk/dv accumulators, which end up back at their owner.  Every rank
+keeps O(S/P) activations: its q, k, v, out and lse.
 
 Each block runs on a fused attention kernel (``autosp_ring.kernels``: CPU flash, CUDA flash or
 memory-efficient) that returns its lse and never holds the block's [Lq, Lk] scores; its backward is
