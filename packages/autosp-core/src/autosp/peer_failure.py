@@ -1,4 +1,4 @@
-"""A rank whose SP program raises tells the other ranks at once, through the process group's store.
+"""A rank whose SP program raises tells the other ranks within seconds, through the process group's store.
 
 Without it, an error on some ranks only (a token id outside the embedding's range, in the tokens
 of one rank; a label out of range; memory running out on one rank) leaves the other ranks in
@@ -14,8 +14,9 @@ long (saving a checkpoint, a caught error) without its peers learning why.
 * ``wait``: AutoSP waits for each of its collectives on a CPU (gloo) group in slices of
   ``POLL``; a wait that outlasts a slice reads the peers' notes and raises ``PeerFailed``, naming
   the failed rank and its error, once a note that counts has stood for ``GRACE_S`` with the
-  collective still waiting. A wait that completes in time costs nothing more; one that does reads
-  one key of the store per slice (how many notes were ever written) until there is a note.
+  collective still waiting. A wait that completes within its first slice costs nothing more; a
+  longer one reads one key of the store per slice (how many notes were ever written) until there
+  is a note.
 * A note counts unless this rank failed itself after the same number of collectives: ranks that
   raised at the same point (a bad batch on every rank, caught and skipped on every rank) are
   still in step, and their notes are stale. A rank whose collective completes again is back in
