@@ -1,8 +1,9 @@
 """Faults that used to be silent or hang now fail fast, with the same clear error on every rank.
 
-Two spawns of 2 gloo ranks (the eager backend after AutoSP, to keep compiles short): one for
-inputs that differ between ranks and more shapes than Dynamo's recompile limit, one for a rank
-that raises in its own code and stays alive. Time bounds are generous (a loaded 2-core machine).
+Gloo ranks with the eager backend after AutoSP, to keep compiles short: one shared spawn for
+inputs that differ between ranks and more shapes than Dynamo's recompile limit, fresh ones for
+faults that leave a group unusable (a rank that raises in its own code or in its program and
+stays alive, steps apart). Time bounds are generous (a loaded 2-core machine).
 """
 
 from __future__ import annotations
