@@ -543,11 +543,7 @@ def peer_fails_in_program(rank: int, world: int, variant: str) -> dict[str, Any]
     one[1, half + 5] = 96 + 5
     out["one"] = attempt(lambda: compiled(one, ids))
     # Rank 1 stays alive (a caught error, a checkpoint being saved) until rank 0 has its error.
-    store = dist.distributed_c10d._get_default_store()
-    if rank == 0:
-        store.set("peer_fails_in_program", "done")
-    else:
-        store.wait(["peer_fails_in_program"])
+    _stay_until_all_failed("peer_fails_in_program", world)
     return out
 
 
@@ -560,11 +556,17 @@ def peer_fails_in_hybrid(rank: int, world: int) -> dict[str, Any]:
     bad = ids.clone()
     bad[1, 3 * (32 // world) + 3] = 96 + 5
     out["bad"] = attempt(lambda: compiled(bad, ids))
-    store = dist.distributed_c10d._get_default_store()
-    store.add("peer_fails_in_hybrid", 1)
-    while int(store.add("peer_fails_in_hybrid", 0)) < world:  # every rank stays alive until all have failed
-        time.sleep(0.05)
+    _stay_until_all_failed("peer_fails_in_hybrid", world)
     return out
+
+
+def _stay_until_all_failed(key: str, world: int) -> None:
+    """Every rank stays alive until all have their error (through the store: the group is broken);
+    a failed rank that left would close its connections, and its peers fail on that instead."""
+    store = dist.distributed_c10d._get_default_store()
+    store.add(key, 1)
+    while int(store.add(key, 0)) < world:
+        time.sleep(0.05)
 
 
 def failed_rank_leaves(rank: int, world: int) -> dict[str, Any]:

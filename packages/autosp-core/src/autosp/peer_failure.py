@@ -203,11 +203,16 @@ def _write(note: str) -> None:
 
 def announce(error: BaseException) -> None:
     """Tell the ranks of this rank's groups that its program raised ``error`` (not a peer's failure)."""
-    if not dist.is_initialized():
+    # Announced once: a graph's wrapper and the compiled call around it both see the same error.
+    if not dist.is_initialized() or getattr(error, "_autosp_announced", False):
         return
     note = note_of(error, _waited, dist.get_rank())
     if note is None:
         return
+    try:
+        error._autosp_announced = True  # type: ignore[attr-defined]
+    except AttributeError:  # an exception type with __slots__: announced again, harmlessly
+        pass
     for name, count in _waited.items():
         _failed_at.setdefault(name, set()).add(count)
     _write(note)

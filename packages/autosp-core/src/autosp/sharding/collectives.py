@@ -182,11 +182,12 @@ def _(x, scatter_dim, gather_dim, group_name):
 
 @torch.library.custom_op("autosp::wait_exchange", mutates_args=())
 def all_to_all_wait(buf: Tensor, shape: list[int], scatter_dim: int, gather_dim: int, group_name: str) -> Tensor:
+    group = _group(group_name)
     if buf.numel():
         pending = _PENDING.pop(buf.data_ptr(), None)
         if pending is not None:
             work, _, send = pending
-            peer_failure.wait(work, _group(group_name), send.device)
+            peer_failure.wait(work, group, send.device)
             # The send copy dies here, before the layout below allocates the result: the wait's
             # peak is the receive buffer and the result, not the send copy as well. Gloo's worker
             # thread drops its own reference to the buffers only a moment after the wait returns,
@@ -196,7 +197,7 @@ def all_to_all_wait(buf: Tensor, shape: list[int], scatter_dim: int, gather_dim:
             if send.device.type == "cpu":
                 send.untyped_storage().resize_(0)
             del pending, work, send
-    world = dist.get_world_size(_group(group_name))
+    world = dist.get_world_size(group)
     rest = [n for d, n in enumerate(shape) if d != scatter_dim]
     recv = buf.view(world, shape[scatter_dim] // world, *rest)
     pieces = [recv[r].movedim(0, scatter_dim) for r in range(world)]
