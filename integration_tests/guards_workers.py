@@ -547,6 +547,70 @@ def peer_fails_in_program(rank: int, world: int, variant: str) -> dict[str, Any]
     return out
 
 
+_FAIL_IN_BACKWARD = {"now": False}
+
+
+@torch.library.custom_op("autosp_guards::passes", mutates_args=())
+def _passes(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+@torch.library.custom_op("autosp_guards::takes_gradient", mutates_args=())
+def _takes_gradient(grad: torch.Tensor) -> torch.Tensor:
+    # At run time, in the compiled backward, on the ranks told to: a rank-local error there.
+    if _FAIL_IN_BACKWARD["now"]:
+        raise ValueError("a rank-local error in the backward")
+    return grad.clone()
+
+
+@_passes.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@_takes_gradient.register_fake
+def _(grad: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(grad)
+
+
+_passes.register_autograd(lambda ctx, grad: torch.ops.autosp_guards.takes_gradient(grad))
+
+
+class _FailsInBackward(_Steered):
+    """``_Steered`` with an op after its attention whose backward raises on the ranks told to: the
+    others wait in attention's backward all-to-all, which comes after it."""
+
+    def __init__(self) -> None:
+        super().__init__(1.0)
+
+    def forward(self, ids: torch.Tensor, settings: Any = None) -> torch.Tensor:
+        x = self.embed(ids)
+        q, k, v = self.qkv(x).view(*ids.shape, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        x = x + torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2)
+        return self.head(torch.ops.autosp_guards.passes(x)).square().mean()
+
+
+def peer_fails_in_backward(rank: int, world: int, backend: str, leaves: bool) -> dict[str, Any]:
+    """Rank 1's compiled backward raises: rank 0, in the backward's next collective, must learn it
+    at once, not at the group's timeout: ``autosp.PeerFailed`` while rank 1 stays alive, or a
+    ``CollectiveFailure`` naming rank 1's error when rank 1 leaves the group."""
+    compiled = autosp.compile(_FailsInBackward(), backend=backend)
+    ids = _ids(2, 32)
+    out = {"good": attempt(lambda: _backward(compiled(ids)))}
+    _FAIL_IN_BACKWARD["now"] = rank == 1
+    out["bad"] = attempt(lambda: _backward(compiled(ids)))
+    if leaves and rank == 1:
+        dist.destroy_process_group()
+    elif not leaves:
+        _stay_until_all_failed(f"peer_fails_in_backward_{backend}", world)
+    return out
+
+
+def _backward(loss: torch.Tensor) -> torch.Tensor:
+    loss.backward()
+    return loss
+
+
 def peer_fails_in_hybrid(rank: int, world: int) -> dict[str, Any]:
     """4 ranks under hybrid (2 x 2): rank 3's tokens hold an id outside the embedding's range.
     Rank 0 shares no subgroup with rank 3: it waits on ranks 1 and 2, which pass the cause on."""

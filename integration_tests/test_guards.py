@@ -362,6 +362,20 @@ def test_a_rank_whose_program_raises_fails_its_peers_at_once(variant):
     assert r0["one"]["seconds"] < FAST_S, r0["one"]
 
 
+@pytest.mark.parametrize(("backend", "leaves"), [("aot_eager", False), ("inductor", False), ("aot_eager", True)])
+def test_a_rank_whose_backward_raises_fails_its_peers_at_once(backend, leaves):
+    r0, r1 = run_spmd(guards_workers.peer_fails_in_backward, 2, backend, leaves, fresh=True)
+    assert r0["good"]["error"] is None and r1["good"]["error"] is None, (r0, r1)
+    assert r1["bad"]["error"] == "ValueError", r1["bad"]
+    error = re.escape("global rank 1: ValueError: a rank-local error in the backward")
+    if leaves:
+        _error(r0["bad"], "CollectiveFailure", "a collective of the SP program's backward did not complete", error)
+    else:
+        _error(r0["bad"], "PeerFailed", r"global rank 1 of the SP group raised ValueError: a rank-local error")
+    # Before: the group's timeout (120 s here), then gloo's own words.
+    assert r0["bad"]["seconds"] < FAST_S, r0["bad"]
+
+
 def test_a_failure_reaches_ranks_that_share_no_group_with_the_failed_rank():
     results = run_spmd(guards_workers.peer_fails_in_hybrid, 4, fresh=True)
     assert all(r["good"]["error"] is None for r in results), results

@@ -7,9 +7,11 @@ raised at the same point going on) is ``integration_tests/test_guards.py``.
 from __future__ import annotations
 
 import pytest
+import torch
 
+from autosp import peer_failure
 from autosp.errors import CollectiveFailure, PeerFailed
-from autosp.peer_failure import counting_error, note_of
+from autosp.peer_failure import announce_backward_of, counting_error, note_of
 
 WAITED = {"0": 7, "3": 2}
 
@@ -44,3 +46,49 @@ def test_a_note_counts_unless_this_rank_raised_at_the_same_point():
     # A group the failed rank never waited on: it failed before its first collective there.
     assert counting_error(note, "5", set()) == cause
     assert counting_error(note, "5", {0}) is None
+
+
+_RAISE_IN_BACKWARD = {"now": False}
+
+
+@torch.library.custom_op("autosp_peer_failure_test::passes", mutates_args=())
+def _passes(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+@torch.library.custom_op("autosp_peer_failure_test::takes_gradient", mutates_args=())
+def _takes_gradient(grad: torch.Tensor) -> torch.Tensor:
+    if _RAISE_IN_BACKWARD["now"]:
+        raise ValueError("raised in the compiled backward")
+    return grad.clone()
+
+
+_passes.register_fake(torch.empty_like)
+_takes_gradient.register_fake(torch.empty_like)
+_passes.register_autograd(lambda ctx, grad: torch.ops.autosp_peer_failure_test.takes_gradient(grad))
+
+
+def test_the_compiled_backward_announces_what_it_raises(monkeypatch):
+    announced: list[BaseException] = []
+    monkeypatch.setattr(peer_failure, "announce", announced.append)
+    # The output is a view of the graph's output (AOT autograd regenerates it): the search looks past it.
+    compiled = torch.compile(lambda x: torch.ops.autosp_peer_failure_test.passes(x * 2).t(), backend="aot_eager")
+    x = torch.ones(3, 4, requires_grad=True)
+    with torch.no_grad():
+        assert not announce_backward_of(compiled(x))  # nothing recorded: looked for again next call
+    out = compiled(x)
+    assert announce_backward_of(out)
+    node = out.grad_fn
+    while getattr(node, "_forward_cls", None) is None or node._forward_cls.__name__ != "CompiledFunction":
+        node = node.next_functions[0][0]
+    wrapped = node._forward_cls.backward
+    assert announce_backward_of(compiled(x)) and node._forward_cls.backward is wrapped  # wrapped once
+    out.sum().backward()
+    assert announced == [] and torch.equal(x.grad, torch.full((3, 4), 2.0))
+    _RAISE_IN_BACKWARD["now"] = True
+    try:
+        with pytest.raises(ValueError, match="raised in the compiled backward"):
+            compiled(x).sum().backward()
+    finally:
+        _RAISE_IN_BACKWARD["now"] = False
+    assert [str(e) for e in announced] == ["raised in the compiled backward"]

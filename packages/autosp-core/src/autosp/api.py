@@ -13,7 +13,7 @@ import torch.distributed as dist
 from autosp import peer_failure
 from autosp.compile_agreement import CapturedDigest, SameProgramOnEveryRun, agree_on_compile_joining_runs, program_text
 from autosp.errors import ConfigError
-from autosp.guards import CALL_INPUTS, GraphRuns, GuardedCall, guard_compiled, guard_graph
+from autosp.guards import CALL_INPUTS, GraphRuns, GuardedCall, guard_compiled, guard_graph, naming_comm_failures
 from autosp.hardware import load_profile
 from autosp.hardware_select import HardwareOption
 from autosp.input_check import CheckMode, InputCheck
@@ -151,7 +151,11 @@ class AutoSPBackend:
                     compile_it, agreeing, what, program, digest.fingerprints(example_inputs)
                 )
             # An error of this graph on this rank only would leave the others in its collectives.
-            fn = peer_failure.announcing(fn)
+            # Its backward too, where a collective that fails for want of a peer is named (the group
+            # read at that time: it is held weakly).
+            fn = peer_failure.announcing(
+                fn, lambda: naming_comm_failures("a collective of the SP program's backward", self.group)
+            )
             report = self.reports[-1]  # compile_graph's, appended as it began
             if report.random_ops and self.input_check is not None:
                 fn = refuse_divergent_rng(fn, report.random_ops, self.input_check.rng_split, what)

@@ -22,20 +22,26 @@ long (saving a checkpoint, a caught error) without its peers learning why.
   still in step, and their notes are stale. A rank whose collective completes again is back in
   step and deletes its note; the grace covers its way back (its error caught, logged).
 
+Announced: errors of a compiled graph's forward, of its backward (wrapped on AOT autograd's
+class for the graph, ``announce_backward_of``: autograd's engine hands the error straight to
+whoever called ``.backward()``), and of code Dynamo runs between graphs (``guards.GuardedCall``).
+Not announced: errors in the user's code outside the compiled program (a hook on a parameter's
+gradient), where the rank is not in the program at all.
+
 Not polled, so ending at the group's timeout as before: CUDA collectives (their wait orders
-streams without blocking the host, and a wait with a timeout would block it), gloo's
+streams without blocking the host, and a wait with a timeout would block it) and gloo's
 point-to-point sends and receives (a timed wait that ends first closes the pair: ring's hops on
-gloo are all-to-alls for this), and errors raised in the compiled program's backward (it runs
-inside autograd's engine: not announced).
+gloo are all-to-alls for this).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, ContextManager
 
 import torch
 import torch.distributed as dist
@@ -218,13 +224,70 @@ def announce(error: BaseException) -> None:
     _write(note)
 
 
-def announcing(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` (a compiled graph's forward), announcing what it raises to the ranks of this rank's groups."""
+def announcing(
+    fn: Callable[..., Any], in_backward: Callable[[], ContextManager[Any]] = contextlib.nullcontext
+) -> Callable[..., Any]:
+    """``fn`` (a compiled graph's forward), announcing what it, and the backward it records, raise
+    to the ranks of this rank's groups; the backward runs inside ``in_backward()`` (which can name
+    its errors)."""
+    backward_announces = False
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
+        nonlocal backward_announces
         try:
-            return fn(*args, **kwargs)
+            out = fn(*args, **kwargs)
+        except BaseException as e:
+            announce(e)
+            raise
+        if not backward_announces:  # until a call records the graph's backward (not under no_grad)
+            backward_announces = announce_backward_of(out, in_backward)
+        return out
+
+    return run
+
+
+# How far from an output the graph's backward node can be: AOT autograd hands out views of its
+# outputs (regenerated aliases), each a node or two in front of it.
+_BACKWARD_SEARCH = 4
+
+
+def announce_backward_of(
+    out: Any, in_backward: Callable[[], ContextManager[Any]] = contextlib.nullcontext
+) -> bool:
+    """Have the compiled backward behind ``out`` announce what it raises; whether it was found.
+
+    The backward runs inside autograd's engine, which hands its error to whoever called
+    ``.backward()``: nothing of AutoSP's sees it there. AOT autograd's ``CompiledFunction`` is a
+    class of its own for each compiled graph, so its ``backward`` is wrapped once, on that class.
+    """
+    nodes = [t.grad_fn for t in _tensors(out) if t.grad_fn is not None]
+    seen: set[int] = set()
+    for _ in range(_BACKWARD_SEARCH):
+        following = []
+        for node in nodes:
+            if node is None or id(node) in seen:
+                continue
+            seen.add(id(node))
+            cls = getattr(node, "_forward_cls", None)
+            if cls is not None and cls.__name__ == "CompiledFunction":
+                if not cls.__dict__.get("_autosp_announces", False):
+                    cls.backward = staticmethod(_announcing_backward(cls.backward, in_backward))
+                    cls._autosp_announces = True
+                return True
+            following.extend(fn for fn, _ in node.next_functions)
+        nodes = following
+    return False
+
+
+def _announcing_backward(
+    backward: Callable[..., Any], in_backward: Callable[[], ContextManager[Any]]
+) -> Callable[..., Any]:
+    @functools.wraps(backward)
+    def run(ctx: Any, *grads: Any) -> Any:
+        try:
+            with in_backward():
+                return backward(ctx, *grads)
         except BaseException as e:
             announce(e)
             raise
@@ -232,10 +295,15 @@ def announcing(fn: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
+def _tensors(out: Any) -> list[torch.Tensor]:
+    return [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+
+
 __all__ = [
     "POLL",
     "PeerFailed",
     "announce",
+    "announce_backward_of",
     "announcing",
     "counting_error",
     "is_comm_failure",
