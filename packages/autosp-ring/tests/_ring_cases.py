@@ -111,13 +111,14 @@ def compile_model(name: str, variant: str, world: int, options: dict | None, sac
 
 
 def op_case(cfg: tuple, seed: int = 0) -> tuple[torch.Tensor, ...]:
-    """Full q, k, v, dout and SDPA's output and gradients for (B, H, Hkv, S, D, causal, window)."""
-    bsz, heads, kv_heads, seq, dim, causal, window = cfg
+    """Full q, k, v, dout and SDPA's output and gradients for (B, H, Hkv, S, D, causal, window[, dtype])."""
+    bsz, heads, kv_heads, seq, dim, causal, window = cfg[:7]
+    dtype = cfg[7] if len(cfg) > 7 else torch.float32
     gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(bsz, heads, seq, dim, generator=gen).requires_grad_()
-    k = torch.randn(bsz, kv_heads, seq, dim, generator=gen).requires_grad_()
-    v = torch.randn(bsz, kv_heads, seq, dim, generator=gen).requires_grad_()
-    dout = torch.randn(bsz, heads, seq, dim, generator=gen)
+    q = torch.randn(bsz, heads, seq, dim, generator=gen, dtype=dtype).requires_grad_()
+    k = torch.randn(bsz, kv_heads, seq, dim, generator=gen, dtype=dtype).requires_grad_()
+    v = torch.randn(bsz, kv_heads, seq, dim, generator=gen, dtype=dtype).requires_grad_()
+    dout = torch.randn(bsz, heads, seq, dim, generator=gen, dtype=dtype)
     if window:
         pos = torch.arange(seq)
         mask = (pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] < window)

@@ -19,7 +19,7 @@ from autosp.lowering import SDPA, sdpa_args
 from autosp.sharding.context import SPContext, SPValue
 from autosp.sharding.placement import Layout, Replicate, SeqAxis, Shard, zigzag_ranges
 from autosp.sharding.redistribute import to_replicate, to_shard
-from autosp_ring.blocks import default_scale
+from autosp_ring.blocks import acc_dtype, default_scale
 
 # Plugin attention specs with this name are causal sliding-window attention called as
 # ``op(q, k, v, window)`` (see plugins/autosp-window); ring handles them natively.
@@ -139,8 +139,8 @@ def whole_mask(ctx: SPContext, site: AttentionSite, call: Call) -> torch.Tensor 
         mask = mask[None, None]
     # A mask broadcast over queries or keys ([B, 1, 1, S] padding) is spelled out: tiles slice both axes.
     mask = mask.expand(mask.shape[0], mask.shape[1], site.seq_len, site.kv_seq_len)
-    if mask.dtype != torch.bool and mask.dtype != torch.float32:
-        mask = mask.float()
+    if mask.dtype != torch.bool:
+        mask = mask.to(acc_dtype(mask.dtype))
     return mask.contiguous()
 
 

@@ -1,8 +1,8 @@
 """One block of ring attention: q of one sequence chunk against k/v of another.
 
-Blocks merge in fp32 through the log-sum-exp, so the order in which they arrive
-does not change the result beyond rounding.  This module's block math (fp32,
-[Lq, Lk] scores) is the reference and the fallback; ``autosp_ring.kernels``
+Blocks merge in fp32 (fp64 for fp64 inputs: ``acc_dtype``) through the log-sum-exp, so
+the order in which they arrive does not change the result beyond rounding.  This module's
+block math (in that dtype, [Lq, Lk] scores) is the reference and the fallback; ``autosp_ring.kernels``
 computes blocks on fused kernels where it can.  Masks are
 built from global positions: causal keeps ``k <= q``; a sliding window of
 ``window`` keeps ``0 <= q - k < window`` (causal sliding window, as in Mistral).
@@ -18,6 +18,12 @@ import torch
 from torch import Tensor
 
 NEG_INF = float("-inf")
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What blocks of ``dtype`` compute and merge in: fp32, or fp64 for fp64 (a float64 model's
+    attention in fp32 would lose half its digits, silently)."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def block_mask(
@@ -73,25 +79,26 @@ def _safe(lse: Tensor) -> Tensor:
 
 
 def _scores(q: Tensor, k: Tensor, scale: float, mask: Tensor | None) -> Tensor:
-    s = torch.matmul(q.float(), expand_kv(k, q.shape[1]).float().transpose(-1, -2)) * scale
+    acc = acc_dtype(q.dtype)
+    s = torch.matmul(q.to(acc), expand_kv(k, q.shape[1]).to(acc).transpose(-1, -2)) * scale
     if mask is None:
         return s
     if mask.dtype == torch.bool:
         return s.masked_fill(~mask, NEG_INF)
-    return s + mask.float()
+    return s + mask.to(acc)
 
 
 def tile_mask(structural: Tensor | None, tile: Tensor | None) -> Tensor | None:
     """One block's mask: the causal/window pattern combined with the block's tile of the model's mask.
 
     A boolean tile keeps the pairs it marks True (as SDPA's boolean ``attn_mask``); a float tile is
-    added to the scores (an additive mask or bias).  The result is bool or fp32, as ``_scores`` takes.
+    added to the scores (an additive mask or bias).  The result is bool or float, as ``_scores`` takes.
     """
     if tile is None:
         return structural
     if tile.dtype == torch.bool:
         return tile if structural is None else tile & structural
-    bias = tile.float()
+    bias = tile.to(acc_dtype(tile.dtype))
     return bias if structural is None else bias.masked_fill(~structural, NEG_INF)
 
 
@@ -105,11 +112,11 @@ def tile_needed(tile: Tensor | None) -> bool:
 
 
 def block_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, mask: Tensor | None) -> tuple[Tensor, Tensor]:
-    """(out, lse) of one block in fp32; rows with no allowed key get out 0 and lse -inf."""
+    """(out, lse) of one block in ``acc_dtype``; rows with no allowed key get out 0 and lse -inf."""
     s = _scores(q, k, scale, mask)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - _safe(lse)[..., None])
-    return torch.matmul(p, expand_kv(v, q.shape[1]).float()), lse
+    return torch.matmul(p, expand_kv(v, q.shape[1]).to(s.dtype)), lse
 
 
 def natural_lse(lse: Tensor, base: float) -> Tensor:
@@ -151,7 +158,7 @@ def set_block_kernel(kernel: BlockKernel) -> BlockKernel:
 
 
 def merge(out: Tensor, lse: Tensor, b_out: Tensor, b_lse: Tensor) -> tuple[Tensor, Tensor]:
-    """Combine two partial softmax results (fp32) through their log-sum-exps."""
+    """Combine two partial softmax results (in ``acc_dtype``) through their log-sum-exps."""
     m = _safe(torch.maximum(lse, b_lse))
     ea, eb = torch.exp(lse - m), torch.exp(b_lse - m)
     denom = ea + eb
@@ -171,19 +178,19 @@ def block_backward(
     mask: Tensor | None,
     return_ds: bool = False,
 ) -> tuple[Tensor, ...]:
-    """fp32 (dq, dk, dv) of one block given the final lse and delta = rowsum(dout * out).
+    """(dq, dk, dv) of one block in ``acc_dtype`` given the final lse and delta = rowsum(dout * out).
 
     With ``return_ds``, also the gradient of the scores (that of an additive mask's tile).
     """
     heads, kv_heads = q.shape[1], k.shape[1]
     s = _scores(q, k, scale, mask)
     p = torch.exp(s - _safe(lse)[..., None])
-    ve = expand_kv(v, heads).float()
+    ve = expand_kv(v, heads).to(s.dtype)
     dv = torch.matmul(p.transpose(-1, -2), dout)
     dp = torch.matmul(dout, ve.transpose(-1, -2))
     ds = p * (dp - delta[..., None])
-    dq = torch.matmul(ds, expand_kv(k, heads).float()) * scale
-    dk = torch.matmul(ds.transpose(-1, -2), q.float()) * scale
+    dq = torch.matmul(ds, expand_kv(k, heads).to(s.dtype)) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), q.to(s.dtype)) * scale
     if return_ds:
         return dq, reduce_kv(dk, kv_heads), reduce_kv(dv, kv_heads), ds
     return dq, reduce_kv(dk, kv_heads), reduce_kv(dv, kv_heads)
@@ -195,6 +202,7 @@ def default_scale(head_dim: int) -> float:
 
 __all__ = [
     "FUSED_KERNEL",
+    "acc_dtype",
     "REFERENCE_KERNEL",
     "BlockKernel",
     "block_kernel",

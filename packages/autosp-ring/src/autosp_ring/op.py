@@ -34,6 +34,7 @@ from autosp import peer_failure
 from autosp_ring import kernels, saturated
 from autosp_ring.blocks import (
     FUSED_KERNEL,
+    acc_dtype,
     allowed_pairs,
     block_backward,
     block_kernel,
@@ -165,8 +166,9 @@ def ring_attention(
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     chunk, c, world = q.shape[2], ring.rank, ring.world
     b, h = q.shape[0], q.shape[1]
-    out = q.new_zeros((b, h, chunk, v.shape[-1]), dtype=torch.float32)
-    lse = q.new_full((b, h, chunk), float("-inf"), dtype=torch.float32)
+    acc = acc_dtype(q.dtype)
+    out = q.new_zeros((b, h, chunk, v.shape[-1]), dtype=acc)
+    lse = q.new_full((b, h, chunk), float("-inf"), dtype=acc)
     buf = _pack(k, v)
     steps = _steps(world, chunk, window, zigzag)
     kernel = block_kernel()
@@ -195,10 +197,10 @@ def ring_attention(
                     o, block_lse = kernels.forward(fused, qb, kb, vb, scale, tile)
                 else:
                     o, block_lse = kernel.forward(qb, kb, vb, scale, tile.dense(ql, q.device))
-                    block_lse = natural_lse(block_lse.float(), kernel.lse_base)
+                    block_lse = natural_lse(block_lse.to(acc), kernel.lse_base)
                 if sat is not None and top is not None and tile.mask is not None:
                     block_lse = saturated.block_lse(block_lse, tile.mask, top[:, :, rows], sat[:, :, rows])
-                out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], o.float(), block_lse)
+                out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], o.to(acc), block_lse)
                 BLOCK_COUNTS["forward", "computed"] += 1
                 BLOCK_COUNTS["forward", _name(fused, kernel)] += 1
         if pending is not None:
@@ -211,7 +213,7 @@ def ring_attention(
 @ring_attention.register_fake
 def _(q, k, v, is_causal, scale, window, zigzag, group_name, mask=None):
     b, h, chunk = q.shape[0], q.shape[1], q.shape[2]
-    return q.new_empty((b, h, chunk, v.shape[-1])), q.new_empty((b, h, chunk), dtype=torch.float32)
+    return q.new_empty((b, h, chunk, v.shape[-1])), q.new_empty((b, h, chunk), dtype=acc_dtype(q.dtype))
 
 
 @torch.library.custom_op("autosp_ring::ring_attention_backward", mutates_args=())
@@ -238,15 +240,16 @@ def ring_attention_backward(
     ring = _Ring(group_name)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     chunk, c, world = q.shape[2], ring.rank, ring.world
-    dout32 = dout.float()
-    delta = (dout32 * out.float()).sum(-1)
+    acc = acc_dtype(q.dtype)
+    dout32 = dout.to(acc)
+    delta = (dout32 * out.to(acc)).sum(-1)
     dout, out = dout.to(q.dtype), out.to(q.dtype)
-    # The kernels give no gradient for the mask: a mask that needs one takes fp32 math throughout.
+    # The kernels give no gradient for the mask: a mask that needs one takes the block math throughout.
     fused_ok = block_kernel() is FUSED_KERNEL and not mask_grad
-    dq = torch.zeros_like(q, dtype=torch.float32)
+    dq = torch.zeros_like(q, dtype=acc)
     buf = _pack(k, v)
-    grads = torch.zeros(buf.numel(), dtype=torch.float32, device=q.device)
-    dmask = torch.zeros_like(mask, dtype=torch.float32) if mask_grad and mask is not None else None
+    grads = torch.zeros(buf.numel(), dtype=acc, device=q.device)
+    dmask = torch.zeros_like(mask, dtype=acc_dtype(mask.dtype)) if mask_grad and mask is not None else None
     steps = _steps(world, chunk, window, zigzag)
     for s in range(steps):
         pending_kv = ring.start(buf, 1, _KV_TAG) if s < steps - 1 else None

@@ -54,13 +54,13 @@ def is_saturated(top: Tensor) -> Tensor:
 
 def block_lse(lse: Tensor, tile_mask: Tensor, top: Tensor, saturated: Tensor) -> Tensor:
     """On saturated rows, the log of the block's count of keys at the row's largest mask value."""
-    count = (tile_mask == top[..., None]).sum(-1).float()
+    count = (tile_mask == top[..., None]).sum(-1).to(lse.dtype)
     return torch.where(saturated, count.log(), lse)
 
 
 def restore(lse: Tensor, top: Tensor, saturated: Tensor) -> Tensor:
     """The merged log-sum-exp of a saturated row as fp32 holds it: ``M + log(n)`` rounds to ``M``."""
-    return torch.where(saturated, top.float().expand_as(lse), lse)
+    return torch.where(saturated, top.to(lse.dtype).expand_as(lse), lse)
 
 
 __all__ = ["PRECISE", "SATURATED", "block_lse", "is_saturated", "my_rows", "refuse_imprecise", "restore"]
