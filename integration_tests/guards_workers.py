@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import random
 import time
 import types
 from collections.abc import Callable
@@ -62,6 +63,18 @@ class _Steered(torch.nn.Module):
             torch._dynamo.graph_break()
             return self.head(x).square().mean()
         return self.head(x).square().mean()
+
+
+class _PythonRandomScale(_Steered):
+    """``_Steered`` scaled by a draw of Python's ``random`` (an augmentation): Dynamo draws it before
+    each run and hands it to the graph as an input."""
+
+    def __init__(self) -> None:
+        super().__init__(1.0)
+
+    def forward(self, ids: torch.Tensor, settings: Any = None) -> torch.Tensor:
+        self.scale = random.uniform(0.5, 1.5)
+        return super().forward(ids)
 
 
 GLOBAL_SCALE = torch.ones(16)  # a module-level tensor the forward reads (set per rank by the worker)
@@ -227,6 +240,14 @@ def input_faults(rank: int, world: int) -> dict[str, Any]:
         out[f"rng_differs_p{p}"] = attempt(
             lambda: autosp.compile(pooled, backend="eager")(_ids(2, 32), _ids(2, 1)[:, 0] % 4)
         )
+    # The same with Python's random module, whose draws Dynamo makes graph inputs.
+    for seeded, seed in (("apart", 1000 + rank), ("alike", 5)):
+        random.seed(seed)
+        out[f"python_rng_{seeded}"] = attempt(
+            lambda: autosp.compile(_PythonRandomScale(), backend="eager")(_ids(2, 32))
+        )
+    random.seed(5)
+    out["python_rng_eager"] = float(_PythonRandomScale()(_ids(2, 32)))
     # Seeded alike, the SP program's dropout masks are the single-device program's: loss and gradients.
     torch.manual_seed(0)
     sp_model = _PooledClassifier(0.5)
@@ -325,6 +346,8 @@ def input_faults(rank: int, world: int) -> dict[str, Any]:
     same = autosp.compile(_Steered(1.0), backend="eager")
     with torch.no_grad() if rank == 1 else contextlib.nullcontext():
         out["grad_mode_differs"] = attempt(lambda: same(_ids(2, 32)))
+    with torch.inference_mode() if rank == 1 else torch.no_grad():  # other graphs too (once a wait to the timeout)
+        out["inference_mode_differs"] = attempt(lambda: same(_ids(2, 32)))
     # outputs="sharded" with a graph break after an output: a clear error (once Dynamo's own, on a DTensor).
     broken = autosp.compile(_Steered(1.0, graph_break=True), backend="eager", outputs="sharded")
     out["sharded_across_break"] = attempt(lambda: broken(_ids(2, 32)))

@@ -168,6 +168,16 @@ def test_ranks_seeded_apart_are_refused_when_the_program_draws_random_numbers(fa
     # The same seeding with dropout off draws nothing (SDPA with dropout_p=0 included): it runs, and agrees.
     assert all(r["rng_differs_p0.0"]["error"] is None for r in faults), faults
     assert faults[0]["rng_differs_p0.0"]["loss"] == faults[1]["rng_differs_p0.0"]["loss"]
+    # Python's random module: a draw Dynamo hands the graph as an input (once silently each rank's own).
+    for r in faults:
+        _error(
+            r["python_rng_apart"],
+            "RandomStateMismatch",
+            r"hold different Python random module states \(rank 0 / rank 1; global ranks\)",
+            r"a call of Python's random module",
+            r"random\.seed\(seed \+ dp_rank\)",
+        )
+        assert r["python_rng_alike"]["loss"] == pytest.approx(r["python_rng_eager"], rel=1e-5), r
     # Seeded alike, with dropout p=0.5: the masks are the single-device program's, so values and gradients match.
     for r in faults:
         sp, ref = r["rng_alike_vs_eager"]["loss"]
@@ -330,6 +340,11 @@ def test_programs_that_differ_between_ranks_are_refused(faults):
             "InputMismatch",
             r"\(grad mode\): rank 0: enabled True; rank 1: enabled False",
             r"the same torch\.no_grad\(\)/autocast context",
+        )
+        _error(
+            r["inference_mode_differs"],
+            "InputMismatch",
+            r"\(grad mode\): rank 0: enabled False; rank 1: enabled False, inference mode",
         )
         _error(
             r["sharded_across_break"], "AutoSPError", r"outputs='sharded' an output of one graph crossed a graph break"

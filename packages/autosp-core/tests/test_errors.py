@@ -94,6 +94,26 @@ def test_deepcopy_of_a_compiled_model_says_what_to_copy():
     copy.deepcopy(compiled._orig_mod)  # the model itself copies
 
 
+def test_a_compiled_model_is_not_saved_but_its_model_is():
+    import copy
+    import io
+    import pickle
+
+    import torch
+
+    model = TinyAttention()
+    compiled = autosp.compile(model, sp_size=1, backend="eager")
+    compiled(torch.randn(2, 8, 16))
+    assert len(compiled.autosp_reports) == 1
+    for save in (lambda: torch.save(compiled, io.BytesIO()), lambda: pickle.dumps(compiled)):
+        with pytest.raises(ConfigError, match=r"cannot be saved or pickled.*compiled\._orig_mod.*state_dict"):
+            save()
+    # The reports (graphs, nodes) stay on the compiled module: the model saves and copies as it did.
+    assert "autosp_reports" not in vars(model)
+    torch.save(model, io.BytesIO())
+    copy.deepcopy(model)
+
+
 def test_unknown_and_uninstalled_variants(fresh_registry, monkeypatch):
     from autosp.registry import reset_registry
 

@@ -94,8 +94,8 @@ def test_inputs_are_named_as_the_model_names_them():
         "labels": "tensor [2, 8] float32 cpu",
         "extra[0]": "tensor [1] float32 cpu",  # the Parameter (extra[1]) is not an input to compare
         "batch['mask']": "tensor [2, 8] bool cpu",
-        "batch['rows'][0]": "tensor [2, 8] int64 cpu",
-        "batch['rows'][1].ids": "tensor [2, 8] int64 cpu",
+        "batch['rows'][0]": "tensor [2, 8] int64 cpu (the same tensor as input_ids)",
+        "batch['rows'][1].ids": "tensor [2, 8] int64 cpu (the same tensor as input_ids)",
         "batch['rows'][1].step": "int 3",
         "device": "device cpu",  # device type only: SP ranks use cuda:0, cuda:1, ...
         "dtype": "dtype torch.bfloat16",
@@ -111,6 +111,15 @@ def test_inputs_of_a_module_and_of_a_call_that_does_not_bind():
     # Too many arguments: the model raises its own error; until then inputs are named by position.
     leaves = flatten_inputs((torch.zeros(2), torch.zeros(3)), {"k": 1}, signature_of(TinyAttention()))
     assert [leaf.path for leaf in leaves] == ["args[0]", "args[1]", "k"]
+
+
+def test_a_tensor_passed_twice_differs_from_two_copies():
+    # Dynamo makes one graph input of a repeated tensor, two of two copies: other programs.
+    ids = torch.zeros(2, 4, dtype=torch.long)
+    twice = flatten_inputs((ids, ids), {}, None)
+    copies = flatten_inputs((ids, ids.clone()), {}, None)
+    assert twice[1].meta == "tensor [2, 4] int64 cpu (the same tensor as args[0])"
+    assert [leaf.meta for leaf in twice] != [leaf.meta for leaf in copies]
 
 
 class Mode(enum.Enum):
@@ -316,6 +325,14 @@ def test_recompiles_from_a_plain_value_name_that_value():
     torch._dynamo.reset()
 
 
+def _drops_layers(x):
+    for _ in range(2):
+        if torch.rand([]) < 0.5:  # LayerDrop: a data-dependent branch inside a loop
+            continue
+        x = x * 2
+    return x
+
+
 def test_a_call_that_ran_no_autosp_graph_is_an_error():
     call = _guarded(_double)
     call(torch.ones(3))
@@ -323,6 +340,9 @@ def test_a_call_that_ran_no_autosp_graph_is_an_error():
         with pytest.raises(EagerFallback, match=r"ran without AutoSP.*force_eager"):
             call(torch.ones(3))
     call(torch.ones(3))
+    # Dynamo gives up on the whole frame at a graph break inside a loop: the message names that case.
+    with pytest.raises(EagerFallback, match=r"Dynamo skipped the forward \(a graph break .* inside a loop"):
+        _guarded(_drops_layers)(torch.ones(3))
     torch._dynamo.reset()
 
 

@@ -122,6 +122,14 @@ class AutoSPBackend:
             "the model before compiling it."
         )
 
+    def __reduce__(self) -> Any:
+        # torch.save or pickle of a compiled module pickles its backend (this): its process groups and
+        # compiled graphs do not pickle, and torch's own words name neither the model nor the way out.
+        raise ConfigError(
+            "an AutoSP-compiled model cannot be saved or pickled (torch.save, pickle): save the model itself "
+            "(compiled._orig_mod) or its state_dict, and call autosp.compile again after loading it."
+        )
+
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         from autosp.compiler import _is_param, compile_graph
 
@@ -333,8 +341,10 @@ def compile(  # noqa: A001 - mirrors torch.compile
             StateDigest(model) if be.param_check is not None and isinstance(model, torch.nn.Module) else None,
         )
         compiled = guard_compiled(compiled, model, call)
+    # On the compiled module itself: OptimizedModule's setattr would put it on the user's model,
+    # where its graphs would travel with every torch.save and deepcopy of the model (and fail).
     try:
-        compiled.autosp_reports = be.reports
+        object.__setattr__(compiled, "autosp_reports", be.reports)
     except AttributeError:
         pass
     if os.environ.get(VERIFY_ENV, "0") not in ("", "0"):

@@ -25,7 +25,7 @@ from autosp.passes.collective_order import never_merged
 from autosp.passes.manager import PassManager, Stage
 from autosp.registry import Registry
 from autosp.report import Report
-from autosp.rng_check import random_ops
+from autosp.rng_check import python_draws, random_ops
 from autosp.sharded_outputs import refuse_dtensor_inputs, wrap_outputs
 
 _graph_ids = itertools.count()
@@ -189,8 +189,9 @@ def compile_graph(
     ctx.report.passes = manager.records
     if reports is not None:
         reports.append(ctx.report)
+    draws = python_draws(gm)  # read before the passes: the lowering renames the graph's inputs
     gm = manager.run(Stage.GRAPH, gm, ctx)
-    ctx.report.random_ops = random_ops(gm)
+    ctx.report.random_ops = random_ops(gm) + draws
     partition = _Partitioner(manager, ctx)
 
     if options.backend == "inductor":

@@ -295,10 +295,13 @@ class GuardedCall:
             raise
         if self.runs.count == before:
             raise EagerFallback(
-                "this call ran without AutoSP: no AutoSP graph ran, so Dynamo ran the model in eager (a stance "
-                "such as torch.compiler.set_stance('force_eager'), torch._dynamo.config.disable, or a "
-                "torch.compiler.disable'd forward): every rank computed the whole sequence, without sequence "
-                "parallelism. Call the model compiled, or compile it with sp_size=1."
+                "this call ran without AutoSP: no AutoSP graph ran, so Dynamo ran the model in eager: every rank "
+                "computed the whole sequence, without sequence parallelism. Either Dynamo skipped the forward "
+                "(a graph break it cannot resume from, such as one inside a loop over layers, or a data-dependent "
+                "branch there: TORCH_LOGS=graph_breaks shows where; move it out of the loop or make it a tensor "
+                "op), or the forward ran uncompiled on purpose (torch.compiler.set_stance('force_eager'), "
+                "torch._dynamo.config.disable, a torch.compiler.disable'd forward). Call the model compiled, or "
+                "compile it with sp_size=1."
             )
         if not self.warned and self.reports and all(r.seq_len is None for r in self.reports):
             self.warned = True  # once per program: its first call compiled what it runs

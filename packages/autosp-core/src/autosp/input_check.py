@@ -157,7 +157,9 @@ def program_state(model: Any) -> list[Leaf]:
     """What Dynamo guards on besides the inputs, which ranks could differ in: the grad mode, autocast,
     and the model's train()/eval() flags and trainable parameters (one rank in eval() with dropout on
     would otherwise run another program)."""
-    leaves = [Leaf("(grad mode)", f"enabled {torch.is_grad_enabled()}")]
+    # Inference mode compiles its own graph too (Dynamo guards on it), apart from no_grad.
+    grad = f"enabled {torch.is_grad_enabled()}"
+    leaves = [Leaf("(grad mode)", f"{grad}, inference mode" if torch.is_inference_mode_enabled() else grad)]
     for device in ("cpu", "cuda"):
         if torch.is_autocast_enabled(device):
             leaves.append(Leaf(f"(autocast {device})", f"dtype {torch.get_autocast_dtype(device)}"))
@@ -201,7 +203,20 @@ def flatten_inputs(
     out: list[Leaf] = []
     for name, value in named:
         _walk(value, name, out, 0)
-    return out
+    return _name_repeats(out)
+
+
+def _name_repeats(leaves: list[Leaf]) -> list[Leaf]:
+    """A tensor passed twice (``labels=input_ids``) is one graph input to Dynamo, two on a rank given a
+    copy: the ranks would compile other graphs, so the repeat is part of what they compare."""
+    first: dict[int, str] = {}
+    for i, leaf in enumerate(leaves):
+        if leaf.tensor is None:
+            continue
+        seen = first.setdefault(id(leaf.tensor), leaf.path)
+        if seen != leaf.path:
+            leaves[i] = Leaf(leaf.path, f"{leaf.meta} (the same tensor as {seen})", leaf.tensor)
+    return leaves
 
 
 _weights: dict[torch.device, torch.Tensor] = {}

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import random
+import re
 import struct
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -24,7 +26,10 @@ import torch
 from autosp.analysis.source import user_line
 from autosp.errors import AutoSPError
 
-DEVICE_TYPES = ("cpu", "cuda")  # the generators the digest covers; ROCm's is torch.cuda's
+# The generators the digest covers: torch's (ROCm's is torch.cuda's) and Python's ``random``, whose
+# draws in a forward Dynamo makes graph inputs (``random_value_0``) that no input check sees.
+DEVICE_TYPES = ("cpu", "cuda", "python")
+_PYTHON_DRAW = re.compile(r"random_value_\d+")
 
 
 class RandomStateMismatch(AutoSPError):
@@ -48,7 +53,7 @@ def _state_digest(state: torch.Tensor) -> int:
 def rng_digests() -> list[int]:
     """One int64 per ``DEVICE_TYPES`` entry: this process's default generator states (0: not in use)."""
     cuda = _state_digest(torch.cuda.get_rng_state()) if torch.cuda.is_initialized() else 0
-    return [_state_digest(torch.get_rng_state()), cuda]
+    return [_state_digest(torch.get_rng_state()), cuda, digest_bytes(repr(random.getstate()).encode())]
 
 
 def _draws(node: torch.fx.Node, target: torch._ops.OpOverload) -> bool:
@@ -75,13 +80,25 @@ def random_ops(gm: torch.fx.GraphModule) -> list[tuple[str, str]]:
     return found
 
 
+def python_draws(gm: torch.fx.GraphModule) -> list[tuple[str, str]]:
+    """``("python", description)`` per value Dynamo drew from Python's ``random`` for ``gm`` (its
+    ``random_value_N`` inputs, computed before each run), as ``random_ops`` describes ops."""
+    return [
+        ("python", f"a call of Python's random module (the graph's input {node.target})")
+        for node in gm.graph.nodes
+        if node.op == "placeholder" and _PYTHON_DRAW.fullmatch(str(node.target))
+    ]
+
+
 def split_message(what: str, ops: Sequence[tuple[str, str]], device: str, groups: list[list[int]]) -> str:
     ranks = " / ".join(("rank " if len(g) == 1 else "ranks ") + ", ".join(map(str, g)) for g in groups)
+    generators = "Python random module" if device == "python" else f"{device} random number generator"
+    seed = "random.seed" if device == "python" else "torch.manual_seed"
     return (
-        f"the SP ranks hold different {device} random number generator states ({ranks}; global ranks), and "
+        f"the SP ranks hold different {generators} states ({ranks}; global ranks), and "
         f"{what} draws random numbers: {ops[0][1]}" + (f" and {len(ops) - 1} more" if len(ops) > 1 else "") + ". "
         "Each rank would draw its own numbers for values the SP program holds as one, and the result would "
-        "match no single-device run. Seed every rank of an SP group alike: torch.manual_seed(seed + dp_rank) "
+        f"match no single-device run. Seed every rank of an SP group alike: {seed}(seed + dp_rank) "
         "with dp_rank = global_rank // sp_size, not seed + global_rank (check_inputs='off' skips this check)."
     )
 
@@ -111,6 +128,7 @@ __all__ = [
     "DEVICE_TYPES",
     "RandomStateMismatch",
     "digest_bytes",
+    "python_draws",
     "random_ops",
     "refuse_divergent_rng",
     "rng_digests",
