@@ -45,6 +45,19 @@ class MatmulHead(nn.Module):
         return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
 
 
+class TokenBiasHead(nn.Module):
+    """An LM head as ``addmm`` with a bias row per token (looked up from the token): once a crash."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.bias = nn.Embedding(V, D), nn.Embedding(V, V)
+        self.weight = nn.Parameter(torch.randn(V, D) / D**0.5)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = torch.addmm(self.bias(ids).flatten(0, 1), self.embed(ids).flatten(0, 1), self.weight.t())
+        return F.cross_entropy(logits, labels.flatten())
+
+
 def _batch(seq: int = 48) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, V, (2, seq), generator=g)
@@ -93,6 +106,7 @@ def test_other_heads_are_tiled(make) -> None:
     [
         (lambda: SoftcapHead(smoothing=0.1), "used beyond the loss"),
         (lambda: SoftcapHead(return_logits=True), "used elsewhere"),
+        (TokenBiasHead, "a bias row per token"),
     ],
 )
 def test_left_as_is_when_not_provably_exact_or_logits_live(make, why: str) -> None:

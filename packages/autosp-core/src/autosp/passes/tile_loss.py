@@ -123,6 +123,9 @@ def _match(nll: fx.Node) -> _Match | str:
             return "the logits do not come from a matmul"
     if cur.target is aten.addmm.default and cur.kwargs:
         return "an addmm with beta/alpha"
+    if cur.target is aten.addmm.default and _val(cur.args[0]).dim() == 2 and _val(cur.args[0]).shape[0] != 1:
+        # The tiled op adds one bias row to every chunk of tokens; this one differs per token.
+        return "an addmm with a bias row per token"
     chain.reverse()
     steps.reverse()
     return _Match(nll, cur, chain, steps)
