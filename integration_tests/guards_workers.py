@@ -155,6 +155,11 @@ def input_faults(rank: int, world: int) -> dict[str, Any]:
     """Ranks fed different inputs, and more shapes than Dynamo's recompile limit."""
     out: dict[str, Any] = {}
 
+    # Options that decide the groups and the per-call exchanges, given differently per rank (once
+    # torch's "Wait timeout" at the world's timeout, or a wait in the first collective).
+    for option, values in (("sp_size", (2, 1)), ("check_inputs", ("tokens", False)), ("timeout", (None, 60))):
+        out[f"options_{option}"] = attempt(lambda: autosp.compile(_llama(), backend="eager", **{option: values[rank]}))
+
     # More lengths than the recompile limit (lowered to 2 to keep the test short: same mechanism).
     with torch._dynamo.config.patch(recompile_limit=2):
         compiled = autosp.compile(_llama(), backend="eager")

@@ -49,6 +49,18 @@ def test_recompile_limit_is_an_error_not_eager(faults):
         assert r["fail_flag_after"] is False
 
 
+def test_options_given_differently_per_rank_are_named(faults):
+    for r in faults:
+        for option, shown in (
+            ("sp_size", "rank 0: 2; rank 1: 1"),
+            ("check_inputs", "rank 0: 'tokens'; rank 1: 'off'"),
+            ("timeout", "rank 0: None; rank 1: datetime.timedelta(seconds=60)"),
+        ):
+            result = r[f"options_{option}"]
+            _error(result, "ConfigError", "called with different options", re.escape(f"  {option}: {shown}\n"))
+            assert result["seconds"] < FAST_S, result
+
+
 def test_mismatched_shapes_and_lengths(faults):
     for key, other in (("shapes", r"\[1, 128\]"), ("lengths", r"\[2, 32\]")):
         messages = set()
@@ -58,7 +70,9 @@ def test_mismatched_shapes_and_lengths(faults):
                     r[key],
                     "InputMismatch",
                     rf"input_ids: rank 0: tensor \[2, 64\] int64 cpu; rank 1: tensor {other} int64 cpu",
-                    rf"labels: rank 0: tensor \[2, 64\] int64 cpu; rank 1: tensor {other} int64 cpu",
+                    # labels=ids: one tensor passed twice, on both ranks
+                    rf"labels: rank 0: tensor \[2, 64\] int64 cpu \(the same tensor as input_ids\); rank 1: "
+                    rf"tensor {other} int64 cpu \(the same tensor as input_ids\)",
                     r"same full-length batch",
                 )
             )

@@ -82,6 +82,12 @@ def test_hybrid_without_degrees_gets_the_cheapest_degree():
     assert choice.chosen.variant == "hybrid"
 
 
+def test_hybrid_that_takes_no_degree_points_at_ring_when_installed():
+    # sp_size=2: no ulysses_degree strictly between 1 and 2. Once: "install autosp-ring", installed.
+    with pytest.raises(autosp.AutoSPError, match=r"no ulysses_degree.*\); use variant='ring' \(it takes any head"):
+        choose(ctx([site(8, 8)], 2, FAST_A2A, variant="hybrid"), only="hybrid")
+
+
 def test_auto_without_any_variant_names_the_packages():
     reg = SimpleNamespace(variants={}, manager=None)
     with pytest.raises(autosp.ConfigError, match="pip install autosp-ulysses"):

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from autosp.errors import ConfigError
 from autosp.hardware_select import HardwareOption, check_option
 from autosp.input_check import CHECK_MODES, CheckMode
+from autosp.option_agreement import agree, options_of
 from autosp.weak_group import WeakGroup, weak_repr
 
 Backend = Literal["inductor", "aot_eager", "eager"]
@@ -148,6 +149,12 @@ def resolve_group(options: SPOptions) -> tuple[Any, int]:
     parent = options.group if options.group is not None else dist.group.WORLD
     size = dist.get_world_size(parent)
     sp = options.sp_size or size
+    # Before any group is made (by every rank of the parent together) and before any refusal of one rank's own.
+    agree(
+        dist.get_process_group_ranks(parent),
+        options_of(sp, options.group, options.timeout_delta, options.check_inputs),
+        group_timeout(parent),
+    )
     if sp > size:
         raise ConfigError(f"sp_size={sp} is larger than the process group ({size} ranks); use sp_size <= {size}")
     if size % sp:

@@ -95,10 +95,15 @@ def candidates(ctx: CompileContext, only: str | None = None) -> tuple[list[cost.
 def choose(ctx: CompileContext, only: str | None = None) -> Choice:
     found, excluded = candidates(ctx, only)
     if not found:
+        ring = (
+            "install autosp-ring (ring takes any head count)"
+            if "ring" not in ctx.registry.variants
+            else "use variant='ring' (it takes any head count)"
+        )
         raise AutoSPError(
             f"variant={ctx.options.variant!r}: no installed variant takes this graph at sp_size={ctx.world} ("
             + "; ".join(excluded)
-            + "); install autosp-ring (ring takes any head count) or change sp_size"
+            + f"); {ring} or change sp_size"
         )
     rank = {name: i for i, name in enumerate(PREFERENCE)}
     best = min(found, key=lambda e: (e.seconds, rank[e.variant]))
