@@ -440,6 +440,13 @@ def gradients_apart(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     compiled = autosp.compile(_llama(), backend="eager")
     out["scaled"] = attempt(lambda: (compiled(ids, ids) / (1 + rank)).backward())
+
+    def scaled_by_hook() -> None:  # the same scale, as a hook on the output (once unseen by the check)
+        loss = compiled(ids, ids)
+        loss.register_hook(lambda g: g / (1 + rank))
+        loss.backward()
+
+    out["scaled_by_hook"] = attempt(scaled_by_hook)
     model, reference = _Logits(), _Logits()
     logits_of = autosp.compile(model, backend="eager")
     ce = torch.nn.functional.cross_entropy

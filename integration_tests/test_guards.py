@@ -260,7 +260,7 @@ def test_ranks_whose_steps_part_are_refused_at_once():
 
 def test_ranks_backpropagating_different_gradients_are_refused():
     for r in run_spmd(guards_workers.gradients_apart, 2, fresh=True):
-        for key in ("scaled", "labels_apart"):
+        for key in ("scaled", "scaled_by_hook", "labels_apart"):
             _error(
                 r[key],
                 "GradientMismatch",

@@ -339,24 +339,38 @@ def check_backward(check: InputCheck, out: Any) -> None:
     every rank, so their gradients must be: a loss scaled or labelled per rank would give every
     rank the gradients of another loss, silently (``GradientMismatch``). A hook on the outputs, not
     an op in the backward graph: it runs before any of the call's graphs' backwards, graph breaks
-    included.
+    included. On the outputs' nodes, not the tensors: a node's pre-hook sees the gradient after
+    every hook on the tensor (``loss.register_hook(lambda g: g * scale)``, a scale per rank too).
     """
     # Plain tensors the program computed: a DTensor's gradient arrives through its own local tensor,
     # and a leaf returned as it came (a tensor passed in) lives on, so hooks on it would pile up.
     tensors = [t for t in pytree.tree_leaves(out) if type(t) is torch.Tensor and t.grad_fn is not None]
     if not tensors:
         return
+    slots: dict[int, tuple[Any, list[int]]] = {}  # the outputs' nodes, and which of their outputs they are
+    for t in tensors:
+        slots.setdefault(id(t.grad_fn), (t.grad_fn, []))[1].append(t.output_nr)
+    checked: list[int] = []  # the backward (graph task) that ran the check: once per backward
 
-    def at_backward(grad: Any) -> None:
-        try:
-            with naming_comm_failures("the backward's step check (its first collective)", check.group):
-                check.backward(grad if isinstance(grad, torch.Tensor) else None)
-        except StepMismatchError as e:
-            raise StepMismatch(str(e)) from None
-        except GradientMismatchError as e:
-            raise GradientMismatch(str(e)) from None
+    def before(nrs: list[int]) -> Callable[[tuple[Any, ...]], None]:
+        def at_backward(grads: tuple[Any, ...]) -> None:
+            task = torch._C._current_graph_task_id()
+            if checked and checked[0] == task:
+                return
+            checked[:] = [task]
+            grad = next((grads[i] for i in nrs if i < len(grads) and isinstance(grads[i], torch.Tensor)), None)
+            try:
+                with naming_comm_failures("the backward's step check (its first collective)", check.group):
+                    check.backward(grad)
+            except StepMismatchError as e:
+                raise StepMismatch(str(e)) from None
+            except GradientMismatchError as e:
+                raise GradientMismatch(str(e)) from None
 
-    torch.autograd.graph.register_multi_grad_hook(tensors, at_backward, mode="any")
+        return at_backward
+
+    for node, nrs in slots.values():
+        node.register_prehook(before(nrs))
 
 
 def _graph_input_name(name: str) -> str:
