@@ -57,9 +57,7 @@ def agree(ranks: list[int], options: dict[str, str], wait: timedelta | None) -> 
         return
     parsed = {r: dict(line.split("=", 1) for line in t.splitlines()) for r, t in got.items()}
     differing = [name for name in options if len({p.get(name) for p in parsed.values()}) > 1]
-    lines = [
-        f"  {name}: " + "; ".join(f"rank {r}: {parsed[r].get(name)}" for r in ranks) for name in differing
-    ]
+    lines = [f"  {name}: " + "; ".join(f"rank {r}: {parsed[r].get(name)}" for r in ranks) for name in differing]
     raise ConfigError(
         "autosp.compile was called with different options on the ranks of the process group (global ranks):\n"
         + "\n".join(lines)

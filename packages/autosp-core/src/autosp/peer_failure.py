@@ -41,7 +41,7 @@ import functools
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, ContextManager
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -225,7 +225,7 @@ def announce(error: BaseException) -> None:
 
 
 def announcing(
-    fn: Callable[..., Any], in_backward: Callable[[], ContextManager[Any]] = contextlib.nullcontext
+    fn: Callable[..., Any], in_backward: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
 ) -> Callable[..., Any]:
     """``fn`` (a compiled graph's forward), announcing what it, and the backward it records, raise
     to the ranks of this rank's groups; the backward runs inside ``in_backward()`` (which can name
@@ -253,7 +253,7 @@ _BACKWARD_SEARCH = 4
 
 
 def announce_backward_of(
-    out: Any, in_backward: Callable[[], ContextManager[Any]] = contextlib.nullcontext
+    out: Any, in_backward: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
 ) -> bool:
     """Have the compiled backward behind ``out`` announce what it raises; whether it was found.
 
@@ -264,7 +264,7 @@ def announce_backward_of(
     nodes = [t.grad_fn for t in _tensors(out) if t.grad_fn is not None]
     seen: set[int] = set()
     for _ in range(_BACKWARD_SEARCH):
-        following = []
+        following: list[Any] = []
         for node in nodes:
             if node is None or id(node) in seen:
                 continue
@@ -281,7 +281,7 @@ def announce_backward_of(
 
 
 def _announcing_backward(
-    backward: Callable[..., Any], in_backward: Callable[[], ContextManager[Any]]
+    backward: Callable[..., Any], in_backward: Callable[[], contextlib.AbstractContextManager[Any]]
 ) -> Callable[..., Any]:
     @functools.wraps(backward)
     def run(ctx: Any, *grads: Any) -> Any:
