@@ -3,15 +3,16 @@
 Rank ``c`` of the ring group holds query chunk ``c`` (positions ``[c*L, (c+1)*L)``) and its own
 k/v chunk.  k/v travel one hop per step (P2P isend/irecv; on gloo CPU an all-to-all in which only
 neighbours send, whose wait can be polled for a failed peer; the next hop overlapping this block's
-compute); each block's partial result merges into fp32 (out, lse).  The backward makes the same
-trip: k/v travel again with fp32 dk/dv accumulators, which end up back at their owner.  Every rank
+compute); each block's partial result merges into fp32 (out, lse), fp64 for fp64 inputs
+(``blocks.acc_dtype``).  The backward makes the same trip: k/v travel again with dk/dv
+accumulators in that dtype, which end up back at their owner.  Every rank
 keeps O(S/P) activations: its q, k, v, out and lse.
 
 Each block runs on a fused attention kernel (``autosp_ring.kernels``: CPU flash, CUDA flash or
 memory-efficient) that returns its lse and never holds the block's [Lq, Lk] scores; its backward is
 the kernel's own, called with the final merged (out, lse).  A diagonal causal block runs with the
 kernel's ``is_causal``, a fully allowed one without mask, a partial one (sliding window, the model's
-mask, zigzag pieces) with an additive mask tile; fully masked blocks are skipped.  The fp32 math of
+mask, zigzag pieces) with an additive mask tile; fully masked blocks are skipped.  The block math of
 ``autosp_ring.blocks`` (O(Lq*Lk) scores per block) computes what no kernel can: dtypes and devices
 without a kernel, a kernel that fails its one-time check against that math, and the whole backward
 when the model's mask needs a gradient (a learned bias: the kernels give none for the mask).
@@ -157,7 +158,7 @@ def ring_attention(
     group_name: str,
     mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Attention of this rank's query pieces over the whole sequence: (out [B,H,L,Dv], fp32 lse [B,H,L]).
+    """Attention of this rank's query pieces over the whole sequence: (out [B,H,L,Dv], lse [B,H,L] in ``acc_dtype``).
 
     ``mask``: the model's whole ``[B or 1, H or 1, S, S]`` mask (boolean: keep where True; float: added
     to the scores), the same on every rank; each block takes its tile by global positions.
