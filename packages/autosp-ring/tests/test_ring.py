@@ -35,10 +35,11 @@ JOBS_4 = [
     ("encoder-h6", "ring", None),
     ("llama", "hybrid", HYB),
     ("llama-mqa", "hybrid", HYB),
-    ("encoder-h6", "hybrid", HYB),
     ("window-op", "hybrid", HYB),
-    ("llama-mask", "hybrid", HYB),
 ]
+# Left to other suites, for time (four processes on two cores): a non-causal encoder under hybrid,
+# and a model-built mask under hybrid (integration_tests: test_fuzz's hybrid P=4 draws every mask
+# kind, test_packed_documents runs hybrid at P=4).
 FAILING = {("llama-h3", "hybrid")}
 
 
