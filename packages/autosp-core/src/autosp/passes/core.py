@@ -107,11 +107,16 @@ def _site_lengths(sites: list) -> list[int | torch.SymInt]:
     return [_concrete(s.seq_len) for s in sites] + [_concrete(s.kv_seq_len) for s in sites if not _is_cross(s)]
 
 
+_FLEX_VMAP_ADVICE = (
+    "It is FlexAttention's block mask, built inside the compiled function (create_block_mask, or "
+    "flex_attention called without a block_mask): build the block mask outside the compiled function (once, "
+    "and pass it in) or call F.scaled_dot_product_attention with the boolean mask your mask_mod describes "
+    "(Ulysses and ring both take it, and ring skips the tiles it masks out), or compile with sp_size=1"
+)
 _VMAP_ADVICE = (
-    "If it is FlexAttention's create_block_mask, build the block mask outside the compiled function (once, and "
-    "pass it in) or call F.scaled_dot_product_attention with the boolean mask your mask_mod describes (Ulysses "
-    "and ring both take it, and ring skips the tiles it masks out); otherwise write that code without vmap, or "
-    "compile with sp_size=1"
+    "Write that code without vmap (batched torch ops, or a loop), or call it from a function decorated with "
+    "@torch.compiler.disable: a graph break, which AutoSP keeps exact (the values crossing it are gathered "
+    "whole), or compile with sp_size=1"
 )
 # The backward is the user's own, so it cannot be replaced by autograd's derivative of the forward
 # (a straight-through estimator, a gradient reversal); functionalization cannot trace it either.
@@ -125,7 +130,9 @@ _FUNCTION_ADVICE = (
 def _unsupported(node: torch.fx.Node) -> tuple[str, str] | None:
     """What AutoSP cannot lower under SP and what to do instead, named for the user, or None."""
     if getattr(node.target, "__name__", "") == "_vmap_increment_nesting":
-        return "torch.func.vmap", _VMAP_ADVICE
+        # Flex's own advice only where the vmap came from Flex: other vmaps (a Mamba scan) have nothing to do with masks.
+        flex = "flex_attention" in (node.meta.get("stack_trace") or "")
+        return "torch.func.vmap", _FLEX_VMAP_ADVICE if flex else _VMAP_ADVICE
     if node.target is getattr(torch.ops.higher_order, "autograd_function_apply", None):
         return "a custom torch.autograd.Function", _FUNCTION_ADVICE
     if node.target is torch.nn.functional.embedding:
