@@ -38,7 +38,7 @@ JOBS_4 = [
     ("window-op", "hybrid", HYB),
 ]
 # Left to other suites, for time (four processes on two cores): a non-causal encoder under hybrid,
-# and a model-built mask under hybrid (integration_tests: test_fuzz's hybrid P=4 draws every mask
+# and a model-built mask under hybrid (integration_tests: test_fuzz's hybrid P=4 draws from every mask
 # kind, test_packed_documents runs hybrid at P=4).
 FAILING = {("llama-h3", "hybrid")}
 
