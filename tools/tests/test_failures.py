@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch.distributed as dist
 
@@ -117,3 +120,19 @@ def test_fault_fires_only_where_asked() -> None:
         hook()
     every = faults.parse("*:2:raise")
     assert every.hook(0, 2) is not None and every.hook(5, 2) is not None and every.hook(0, 3) is None
+
+
+def test_interrupt_fault_reaches_python_where_sigint_is_ignored() -> None:
+    # A job started in the background by a script inherits SIGINT ignored (the suite run as `pytest &`):
+    # the injected Ctrl-C was lost there and the "interrupted" rank trained on.
+    code = (
+        "import signal\n"
+        "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+        "from autosp_tools import faults\n"
+        "try:\n"
+        "    faults.parse('0:1:interrupt').hook(0, 1)()\n"
+        "except KeyboardInterrupt:\n"
+        "    print('KeyboardInterrupt')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "KeyboardInterrupt", (out.stdout, out.stderr)

@@ -59,6 +59,9 @@ class Fault:
         if self.kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         if self.kind == "interrupt":
+            # A job started in the background by a script (`cmd &` without job control) inherits SIGINT
+            # ignored, and the signal would be lost: the fault is a Ctrl-C that reaches Python.
+            signal.signal(signal.SIGINT, signal.default_int_handler)
             signal.raise_signal(signal.SIGINT)  # KeyboardInterrupt at the next bytecode
             return
         if self.kind == "stop":
