@@ -263,9 +263,15 @@ class PackedLM(nn.Module):
         return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1), ignore_index=-100)
 
 
-def packed_positions(seq: int, batch: int = 2) -> torch.Tensor:
-    """Uneven documents, some crossing the ranks' chunk boundaries (lengths 5, 1, seq-9, 3 / 2, seq-2)."""
+def packed_positions(seq: int, batch: int = 2, skewed: bool = False) -> torch.Tensor:
+    """Uneven documents, some crossing the ranks' chunk boundaries (lengths 5, 1, seq-9, 3 / 2, seq-2).
+
+    ``skewed``: a long document then a short one (3/4 + 1/4, 5/8 + 3/8 of the row), which leaves
+    the zigzag layout's ranks 1.7x apart in causal work (ring balances them by the mask).
+    """
     rows = [[5, 1, seq - 9, 3], [2, seq - 2]]
+    if skewed:
+        rows = [[3 * seq // 4, seq - 3 * seq // 4], [5 * seq // 8, seq - 5 * seq // 8]]
     return torch.stack([torch.cat([torch.arange(n) for n in rows[i % 2]]) for i in range(batch)])
 
 

@@ -16,14 +16,14 @@ Case = tuple[str, str, int, bool]  # attention, breaks, kv heads, with a padding
 
 def _args(case: Case, seq: int) -> tuple:
     if case[0].startswith("packed"):
-        return (*inputs(seq), packed_positions(seq))
+        return (*inputs(seq), packed_positions(seq, skewed=case[0].endswith("skewed")))
     return (*inputs(seq), padding(seq)) if case[3] else inputs(seq)
 
 
 def build(case: Case) -> Any:
     """``("packed" | "packed-written", ...)``: documents packed in rows; else an ``LM``."""
     if case[0].startswith("packed"):
-        return PackedLM(written=case[0] == "packed-written")
+        return PackedLM(written=case[0].startswith("packed-written"))
     return LM(case[0], case[1], case[2])
 
 
@@ -44,13 +44,17 @@ def reference(case: Case, seq: int) -> dict[str, Any]:
 def run(
     rank: int, world: int, cases: list[Case], backend: str, variant: str, seq: int, options: dict | None = None
 ) -> dict[Case, Any]:
+    from autosp_ring import BLOCK_COUNTS
+
     results = {}
     for case in cases:
         torch._dynamo.reset()
         compiled = autosp.compile(build(case), backend=backend, variant=variant, variant_options=options)
+        BLOCK_COUNTS.clear()
         with caches_off(), warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", autosp.NotSequenceParallel)
             results[case] = step(compiled, case, seq)
+        results[case]["blocks"] = dict(BLOCK_COUNTS)  # ring's blocks computed on this rank
         results[case]["not_sp_warnings"] = [str(w.message) for w in caught if w.category is autosp.NotSequenceParallel]
         reports = compiled.autosp_reports
         results[case]["graphs"] = len(reports)

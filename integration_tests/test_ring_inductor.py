@@ -2,7 +2,7 @@
 
 SDPA with an additive padding mask (finfo.min, broadcast over queries) and GQA on 2 ranks (ring)
 and on 4 (hybrid 2x2, q/k/v crossing each ulysses group in one all-to-all); causal SDPA with GQA
-(enable_gqa) on 4 (ring). (Written-out attention with finfo.min fills stays as written, so HF's
+(enable_gqa) on 4 (ring); on 2, packed documents whose query rows ring balances by the mask. (Written-out attention with finfo.min fills stays as written, so HF's
 eager and GPT-2's forms are not ring sites: test_written_attention.py.)  The ring
 blocks run on the CPU flash kernel (its forward and backward), which the block counters show.
 """
@@ -18,12 +18,13 @@ from ring_inductor_workers import run
 SEQ = 16
 SDPA_GQA = ("sdpa", "none", 2, False)
 PADDED = ("sdpa_padded", "none", 2, True)
+SKEWED = ("packed-skewed", "none", 4, False)
 HYBRID = {"ulysses_degree": 2}
 
 
 @pytest.fixture(scope="module")
 def refs():
-    return {case: reference(case, SEQ) for case in (SDPA_GQA, PADDED)}
+    return {case: reference(case, SEQ) for case in (SDPA_GQA, PADDED, SKEWED)}
 
 
 def _check(per_rank: list[dict], refs: dict, world: int) -> None:
@@ -47,7 +48,12 @@ def _check(per_rank: list[dict], refs: dict, world: int) -> None:
 
 
 def test_two_ranks_ring(refs):
-    _check(run_spmd(run, 2, [(PADDED, "ring", None)], SEQ), refs, 2)
+    # Packed documents of 3/4 and 1/4 of the row: query rows balanced by the mask (chunks of any size).
+    per_rank = run_spmd(run, 2, [(PADDED, "ring", None), (SKEWED, "ring", {"balance_chunk": 1})], SEQ)
+    _check(per_rank, refs, 2)
+    for results in per_rank:
+        blocks = results[SKEWED, "ring"]["blocks"]
+        assert blocks.get(("forward", "balanced"), 0) == blocks.get(("backward", "balanced"), 0) == 2, blocks
 
 
 def test_four_ranks_ring_and_hybrid(refs):

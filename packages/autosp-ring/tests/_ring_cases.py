@@ -145,12 +145,15 @@ def op_errors(rank: int, world: int, cfg: tuple) -> list[float]:
     return [(a - full[:, :, part]).abs().max().item() for a, full in pairs]
 
 
-def op_mask_errors(rank: int, world: int, kind: str, zigzag: bool) -> list[float]:
+def op_mask_errors(rank: int, world: int, kind: str, zigzag: bool, balance: int = 0) -> list[float]:
     """The ring op with a model-built mask (whole on every rank) against SDPA with the same mask.
 
     "bool": causal and right padding as one boolean mask [B, 1, S, S]; "bias": a learned additive
     bias [1, H, S, S] with ``is_causal`` (its gradient too, summed over ranks); "rows": a boolean mask
-    that leaves whole tiles empty (block-diagonal documents), which the op skips.
+    that leaves whole tiles empty (block-diagonal documents), which the op skips; "skewed": documents
+    of 3/4 and 1/4 of the row, causal, whose work the zigzag layout spreads unevenly; "skewed-bias":
+    a learned bias on those documents, -inf elsewhere. ``balance``: the op's smallest chunk for
+    balancing query rows by the mask (0: none).
     """
     import torch.distributed as dist
 
@@ -169,6 +172,12 @@ def op_mask_errors(rank: int, world: int, kind: str, zigzag: bool) -> list[float
         keep[0, -3:] = False
         mask = (causal & keep[:, None, :])[:, None]
         ref_mask = mask
+    elif kind.startswith("skewed"):
+        doc = (pos >= 3 * seq // 4).long()
+        mask = ((doc[None, :] == doc[:, None]) & causal)[None, None]
+        if kind == "skewed-bias":
+            mask = torch.randn(1, heads, seq, seq, generator=gen).masked_fill(~mask, float("-inf")).requires_grad_()
+        ref_mask = mask
     else:
         doc = pos // (seq // 4)
         mask = ((doc[None, :] == doc[:, None]) & causal)[None, None]
@@ -176,8 +185,9 @@ def op_mask_errors(rank: int, world: int, kind: str, zigzag: bool) -> list[float
     qf, kf, vf = (t.clone().requires_grad_() for t in (q, k, v))
     ref = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=ref_mask, enable_gqa=True)
     ref.backward(dout)
-    ref_dmask = mask.grad.clone() if kind == "bias" else None
-    if kind == "bias":
+    learned = kind.endswith("bias")
+    ref_dmask = mask.grad.clone() if learned else None
+    if learned:
         mask.grad = None
     chunk = seq // world
     pieces = segments(rank, chunk, world, zigzag)
@@ -187,14 +197,14 @@ def op_mask_errors(rank: int, world: int, kind: str, zigzag: bool) -> list[float
 
     ql, kl, vl = (local(t).clone().requires_grad_() for t in (q, k, v))
     got, _ = torch.ops.autosp_ring.ring_attention(
-        ql, kl, vl, kind == "bias", dim**-0.5, 0, zigzag, dist.group.WORLD.group_name, mask
+        ql, kl, vl, kind == "bias", dim**-0.5, 0, zigzag, dist.group.WORLD.group_name, mask, balance
     )
     got.backward(local(dout))
     errs = [
         (a - local(full)).abs().max().item()
         for a, full in [(got, ref), (ql.grad, qf.grad), (kl.grad, kf.grad), (vl.grad, vf.grad)]
     ]
-    if kind == "bias":
+    if learned:
         dmask = mask.grad.clone()
         dist.all_reduce(dmask)
         errs.append((dmask - ref_dmask).abs().max().item())
@@ -214,11 +224,13 @@ def run(rank: int, world: int, jobs: list[tuple], b: dict, memory: list[str], op
 
     results: dict[str, Any] = {"ops": [op_errors(rank, world, cfg) for cfg in ops]}
     if ops:
-        results["mask_ops"] = {
-            (kind, zz): op_mask_errors(rank, world, kind, zz)
-            for kind in ("bool", "bias", "rows")
-            for zz in (False, True)
-        }
+        results["mask_ops"], results["mask_balanced"] = {}, {}
+        mask_cases = [(kind, zz, 0) for kind in ("bool", "bias", "rows") for zz in (False, True)]
+        mask_cases += [(kind, zz, 1) for kind in ("bool", "skewed", "skewed-bias") for zz in (False, True)]
+        for case in mask_cases:
+            BLOCK_COUNTS.clear()
+            results["mask_ops"][case] = op_mask_errors(rank, world, *case)
+            results["mask_balanced"][case] = (BLOCK_COUNTS["forward", "balanced"], BLOCK_COUNTS["backward", "balanced"])
     for name, variant, options in jobs:
         BLOCK_COUNTS.clear()
         compiled = compile_model(name, variant, world, options)

@@ -94,11 +94,19 @@ def test_op_matches_sdpa(two, four):
 
 
 def test_op_takes_model_masks(two, four):
-    # Boolean padding, a learned additive bias (and its gradient), block-diagonal documents; zigzag or not.
+    # Boolean padding, a learned additive bias (and its gradient), block-diagonal documents; zigzag or
+    # not; and with query rows balanced by the mask (skewed documents, a learned bias on them).
     for per_rank in (two, four):
         for rank, results in enumerate(per_rank):
-            for (kind, zigzag), errs in results["mask_ops"].items():
-                assert max(errs) < 1e-5, (kind, zigzag, rank, errs)
+            for (kind, zigzag, balance), errs in results["mask_ops"].items():
+                assert max(errs) < 1e-5, (kind, zigzag, balance, rank, errs)
+            for (kind, zigzag, balance), moved in results["mask_balanced"].items():
+                # Skewed documents move rows, forward and backward, in either layout; nothing moves
+                # without balancing (padding with it may or may not: exact either way, above).
+                if kind.startswith("skewed"):
+                    assert moved == (1, 1), (kind, zigzag, rank, moved)
+                elif not balance:
+                    assert moved == (0, 0), (kind, zigzag, rank, moved)
 
 
 def test_ring_two_ranks(two, refs):

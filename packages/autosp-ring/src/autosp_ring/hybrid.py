@@ -22,7 +22,7 @@ from autosp.options import group_timeout
 from autosp.sharding import collectives as C
 from autosp.sharding.context import SPContext, SPValue
 from autosp.sharding.placement import SeqAxis, Shard
-from autosp_ring.attention import from_bhsd, parse, seq_chunks, whole_mask
+from autosp_ring.attention import balance_chunk, from_bhsd, parse, seq_chunks, whole_mask
 
 
 @dataclass(frozen=True)
@@ -144,7 +144,11 @@ def hybrid_attention_rule(
     if mask is not None and mask.shape[1] > 1:
         per = site.heads // g.degree
         mask = mask.narrow(1, rank_u * per, per).contiguous()  # the heads this rank attends for
-    out, _ = torch.ops.autosp_ring.ring_attention(qh, kh, vh, call.causal, call.scale, call.window, False, g.ring, mask)
+    # Every rank of a ring group holds the same heads (ranks[j::U]), so the same mask and plan.
+    balance = balance_chunk(ctx.variant_options)
+    out, _ = torch.ops.autosp_ring.ring_attention(
+        qh, kh, vh, call.causal, call.scale, call.window, False, g.ring, mask, balance
+    )
     back = C.all_to_all(out.contiguous(), 2, 1, g.ulysses)
     sdim, length = site.axis("S"), site.seq_len
     return SPValue(from_bhsd(site, back), Shard(SeqAxis(sdim, length), ctx.even_ranges(length)), node.meta["val"])

@@ -17,6 +17,10 @@ mask, zigzag pieces) with an additive mask tile; fully masked blocks are skipped
 without a kernel, a kernel that fails its one-time check against that math, and the whole backward
 when the model's mask needs a gradient (a learned bias: the kernels give none for the mask).
 
+With the model's mask and ``balance`` > 0, the query rows may first move to a layout planned from
+the mask (``autosp_ring.balance``: the same plan on every rank, in finer tiles, each rank computing
+the same tile area) and (out, lse) move back at the end; k/v, their ring and dk/dv do not change.
+
 The op is opaque to make_fx/AOT autograd (``custom_op``), so its traffic is never traced; all
 ranks run the same number of steps, so every send has its receive.
 """
@@ -32,6 +36,7 @@ from torch import Tensor
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from autosp import peer_failure
+from autosp_ring import balance as balancing
 from autosp_ring import kernels, saturated
 from autosp_ring.blocks import (
     FUSED_KERNEL,
@@ -157,11 +162,14 @@ def ring_attention(
     zigzag: bool,
     group_name: str,
     mask: Tensor | None = None,
+    balance: int = 0,
 ) -> tuple[Tensor, Tensor]:
     """Attention of this rank's query pieces over the whole sequence: (out [B,H,L,Dv], lse [B,H,L] in ``acc_dtype``).
 
     ``mask``: the model's whole ``[B or 1, H or 1, S, S]`` mask (boolean: keep where True; float: added
     to the scores), the same on every rank; each block takes its tile by global positions.
+    ``balance``: with a mask, the smallest chunk (tokens) that query rows may be balanced in
+    (``autosp_ring.balance``); 0 keeps the program's layout and whole-piece tiles.
     """
     ring = _Ring(group_name)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -171,13 +179,18 @@ def ring_attention(
     out = q.new_zeros((b, h, chunk, v.shape[-1]), dtype=acc)
     lse = q.new_full((b, h, chunk), float("-inf"), dtype=acc)
     buf = _pack(k, v)
-    steps = _steps(world, chunk, window, zigzag)
     kernel = block_kernel()
     top = sat = None
     if mask is not None and mask.dtype != torch.bool:
         whole_top = mask.amax(-1)  # every row's largest mask value, alike on every rank
         saturated.refuse_imprecise(whole_top)  # before the first transfer
-        top = saturated.my_rows(whole_top, segments(c, chunk, world, zigzag), chunk)
+    layout, plan = _layout(ring, chunk, zigzag, mask, is_causal, window, balance, "forward")
+    if plan is not None:
+        (q,) = plan.to_plan(ring.group, q)
+    q_pieces = plan.q_pieces if plan is not None else layout[c]
+    steps = world if plan is not None else _steps(world, chunk, window, zigzag)
+    if mask is not None and mask.dtype != torch.bool:
+        top = saturated.my_rows(whole_top, q_pieces, chunk)
         sat = saturated.is_saturated(top)
         if not bool(sat.any()):
             top = sat = None
@@ -185,8 +198,8 @@ def ring_attention(
         pending = ring.start(buf, 1, _KV_TAG) if s < steps - 1 else None
         j = (c - s) % world
         kj, vj = _unpack(buf, (k, v))
-        for qo, ql, qs in segments(c, chunk, world, zigzag):
-            for ko, kl, ks in segments(j, chunk, world, zigzag):
+        for qo, ql, qs in q_pieces:
+            for ko, kl, ks in _keys(plan, (qo, ql, qs), layout[j]):
                 tile = _block(mask, qo, ql, ko, kl, is_causal, window, q.device)
                 if tile is None:
                     BLOCK_COUNTS["forward", "skipped"] += 1
@@ -203,16 +216,19 @@ def ring_attention(
                     block_lse = saturated.block_lse(block_lse, tile.mask, top[:, :, rows], sat[:, :, rows])
                 out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], o.to(acc), block_lse)
                 BLOCK_COUNTS["forward", "computed"] += 1
+                BLOCK_COUNTS["forward", "area"] += ql * kl
                 BLOCK_COUNTS["forward", _name(fused, kernel)] += 1
         if pending is not None:
             buf = ring.finish(pending)
     if sat is not None and top is not None:
         lse = saturated.restore(lse, top, sat)
+    if plan is not None:
+        return tuple(plan.from_plan(ring.group, out.to(q.dtype), lse))  # type: ignore[return-value]
     return out.to(q.dtype), lse
 
 
 @ring_attention.register_fake
-def _(q, k, v, is_causal, scale, window, zigzag, group_name, mask=None):
+def _(q, k, v, is_causal, scale, window, zigzag, group_name, mask=None, balance=0):
     b, h, chunk = q.shape[0], q.shape[1], q.shape[2]
     return q.new_empty((b, h, chunk, v.shape[-1])), q.new_empty((b, h, chunk), dtype=acc_dtype(q.dtype))
 
@@ -232,6 +248,7 @@ def ring_attention_backward(
     group_name: str,
     mask: Tensor | None = None,
     mask_grad: bool = False,
+    balance: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dmask) of this rank's pieces; dk/dv sum the contributions of every rank's queries.
 
@@ -242,6 +259,11 @@ def ring_attention_backward(
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     chunk, c, world = q.shape[2], ring.rank, ring.world
     acc = acc_dtype(q.dtype)
+    # The forward's plan again (the mask is the same): queries, their output and lse, and dout move.
+    layout, plan = _layout(ring, chunk, zigzag, mask, is_causal, window, balance, "backward")
+    if plan is not None:
+        q, out, lse, dout = plan.to_plan(ring.group, q, out, lse, dout)
+    q_pieces = plan.q_pieces if plan is not None else layout[c]
     dout32 = dout.to(acc)
     delta = (dout32 * out.to(acc)).sum(-1)
     dout, out = dout.to(q.dtype), out.to(q.dtype)
@@ -251,14 +273,14 @@ def ring_attention_backward(
     buf = _pack(k, v)
     grads = torch.zeros(buf.numel(), dtype=acc, device=q.device)
     dmask = torch.zeros_like(mask, dtype=acc_dtype(mask.dtype)) if mask_grad and mask is not None else None
-    steps = _steps(world, chunk, window, zigzag)
+    steps = world if plan is not None else _steps(world, chunk, window, zigzag)
     for s in range(steps):
         pending_kv = ring.start(buf, 1, _KV_TAG) if s < steps - 1 else None
         j = (c - s) % world
         kj, vj = _unpack(buf, (k, v))
         dk_acc, dv_acc = _unpack(grads, (k, v))
-        for qo, ql, qs in segments(c, chunk, world, zigzag):
-            for ko, kl, ks in segments(j, chunk, world, zigzag):
+        for qo, ql, qs in q_pieces:
+            for ko, kl, ks in _keys(plan, (qo, ql, qs), layout[j]):
                 tile = _block(mask, qo, ql, ko, kl, is_causal, window, q.device)
                 if tile is None:
                     BLOCK_COUNTS["backward", "skipped"] += 1
@@ -296,6 +318,7 @@ def ring_attention_backward(
                 dk_acc[:, :, cols] += dk_b
                 dv_acc[:, :, cols] += dv_b
                 BLOCK_COUNTS["backward", "computed"] += 1
+                BLOCK_COUNTS["backward", "area"] += ql * kl
                 BLOCK_COUNTS["backward", _name(fused, None)] += 1
         if pending_kv is not None:
             # The accumulator of chunk j follows chunk j around the ring.
@@ -306,15 +329,44 @@ def ring_attention_backward(
         # This rank now holds chunk c-(steps-1)'s accumulator: hand it to its owner.
         grads = ring.finish(ring.start(grads, -back, _GRAD_TAG))
     dk, dv = _unpack(grads, (k, v))
+    if plan is not None:
+        (dq,) = plan.from_plan(ring.group, dq)
     dm = dmask.to(mask.dtype) if dmask is not None else q.new_empty(0)
     # dk and dv are views of one buffer: copies, since custom op outputs may not alias.
     return dq.to(q.dtype), dk.to(k.dtype, copy=True), dv.to(v.dtype, copy=True), dm
 
 
 @ring_attention_backward.register_fake
-def _(dout, q, k, v, out, lse, is_causal, scale, window, zigzag, group_name, mask=None, mask_grad=False):
+def _(dout, q, k, v, out, lse, is_causal, scale, window, zigzag, group_name, mask=None, mask_grad=False, balance=0):
     dm = torch.empty_like(mask) if mask_grad and mask is not None else q.new_empty(0)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dm
+
+
+def _layout(
+    ring: _Ring,
+    chunk: int,
+    zigzag: bool,
+    mask: Tensor | None,
+    causal: bool,
+    window: int,
+    balance: int,
+    phase: str,
+) -> tuple[list[list[tuple[int, int, int]]], balancing.Plan | None]:
+    """Every rank's pieces in the program's layout, and this rank's balanced plan when one pays."""
+    layout = [segments(r, chunk, ring.world, zigzag) for r in range(ring.world)]
+    if mask is None or balance <= 0:
+        return layout, None
+    plan = balancing.plan(mask, causal, window, layout, ring.rank, balance)
+    if plan is not None:
+        BLOCK_COUNTS[phase, "balanced" if plan.moves else "finer tiles"] += 1
+    return layout, plan
+
+
+def _keys(
+    plan: balancing.Plan | None, q_piece: tuple[int, int, int], k_pieces: list[tuple[int, int, int]]
+) -> list[tuple[int, int, int]]:
+    # With a plan, only the key chunks the query chunk meets, in runs: empty tiles cost no call.
+    return k_pieces if plan is None else plan.k_runs(q_piece, k_pieces)
 
 
 def _block(
@@ -354,7 +406,7 @@ def _unbroadcast(grad: Tensor, shape: torch.Size) -> Tensor:
 
 
 def _setup(ctx: Any, inputs: tuple, output: tuple) -> None:
-    q, k, v, ctx.is_causal, ctx.scale, ctx.window, ctx.zigzag, ctx.group_name, mask = inputs
+    q, k, v, ctx.is_causal, ctx.scale, ctx.window, ctx.zigzag, ctx.group_name, mask, ctx.balance = inputs
     ctx.has_mask = mask is not None
     ctx.save_for_backward(q, k, v, *output, *([mask] if mask is not None else []))
 
@@ -379,8 +431,9 @@ def _backward(ctx: Any, dout: Tensor, dlse: Tensor | None):
         ctx.group_name,
         mask,
         mask_grad,
+        ctx.balance,
     )
-    return dq, dk, dv, None, None, None, None, None, dmask if mask_grad else None
+    return dq, dk, dv, None, None, None, None, None, dmask if mask_grad else None, None
 
 
 ring_attention.register_autograd(_backward, setup_context=_setup)

@@ -40,7 +40,15 @@ RING_OP_SPEC = AttentionSpec(
 def _count_ring_ops(gm: torch.fx.GraphModule, ctx) -> None:
     # The ring op is not a core collective, so the core does not count it; reports should.
     op = torch.ops.autosp_ring.ring_attention.default
-    ctx.report.collectives["ring_attention"] += sum(1 for n in gm.graph.nodes if n.target is op)
+    calls = [n for n in gm.graph.nodes if n.target is op]
+    ctx.report.collectives["ring_attention"] += len(calls)
+    balanced = [n for n in calls if len(n.args) > 9 and n.args[8] is not None and n.args[9]]
+    if balanced:
+        ctx.report.notes.append(
+            f"ring: {len(balanced)} attention call(s) with a model-built mask place their query rows by the mask "
+            f"at run time when that evens the ranks' work (chunks of >= {balanced[0].args[9]} tokens; "
+            "variant_options={'balance_chunk': 0} turns it off)"
+        )
 
 
 COUNT_PASS = Pass(
