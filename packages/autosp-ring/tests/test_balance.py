@@ -173,3 +173,14 @@ def test_a_grid_is_planned_once():
     assert B.plan(doc_mask([48, 16]).clone(), True, 0, lay, 0, 1) is first
     assert B.plan(doc_mask([40, 24]), True, 0, lay, 0, 1) is not first
     assert B.plan(doc_mask([48, 16]), True, 0, lay, 1, 1) is not first  # another rank's rows
+
+
+def test_balance_chunk_option():
+    from autosp.errors import ConfigError
+    from autosp_ring.attention import BALANCE_CHUNK, balance_chunk
+
+    assert balance_chunk({}) == BALANCE_CHUNK == 512
+    assert balance_chunk({"balance_chunk": 0}) == 0 and balance_chunk({"balance_chunk": 64}) == 64
+    for bad in (-1, True, 1.5, "512"):
+        with pytest.raises(ConfigError, match="balance_chunk"):
+            balance_chunk({"balance_chunk": bad})
