@@ -24,22 +24,6 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any
-
-
-def doc_mask(lengths: list[int]) -> Any:
-    import torch
-
-    doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
-    return (doc[None, :] == doc[:, None])[None, None]
-
-
-def random_docs(seq: int, mean: int, rng: random.Random) -> list[int]:
-    lengths: list[int] = []
-    while sum(lengths) < seq:
-        lengths.append(max(1, int(rng.expovariate(1 / mean))))
-    lengths[-1] -= sum(lengths) - seq
-    return lengths
 
 
 def spread(work: list[int]) -> float:
@@ -49,6 +33,7 @@ def spread(work: list[int]) -> float:
 def model_table(args: argparse.Namespace) -> None:
     from autosp_ring import balance as B
     from autosp_ring.op import segments
+    from autosp_ring.work import document_mask, random_documents
 
     rng = random.Random(0)
     print(f"S={args.seq}, chunks of >= {args.chunk} tokens, {args.rows} rows per line; max/mean tile area over ranks")
@@ -59,7 +44,7 @@ def model_table(args: argparse.Namespace) -> None:
         for mean in (256, 1024, 4096, args.seq // 2):
             before, after, gain = [], [], []
             for _ in range(args.rows):
-                mask = doc_mask(random_docs(args.seq, mean, rng))
+                mask = document_mask(random_documents(args.seq, mean, rng))
                 plan = B.plan(mask, True, 0, layout, 0, args.chunk)
                 chunk = B.chunk_size([p for ps in layout for p in ps], args.chunk)
                 grid = B.tile_grid(mask, True, 0, chunk)
@@ -83,6 +68,7 @@ def _rank(rank: int, world: int, store: str, seq: int, reps: int, chunk: int, ou
     import autosp_ring  # noqa: F401 - the op
     from autosp_ring import BLOCK_COUNTS
     from autosp_ring.op import segments
+    from autosp_ring.work import document_mask
 
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -91,7 +77,7 @@ def _rank(rank: int, world: int, store: str, seq: int, reps: int, chunk: int, ou
     heads, dim = 8, 64
     gen = torch.Generator().manual_seed(0)
     q, k, v, dout = (torch.randn(1, heads, seq, dim, generator=gen) for _ in range(4))
-    mask = doc_mask([3 * seq // 4, seq - 3 * seq // 4])
+    mask = document_mask([3 * seq // 4, seq - 3 * seq // 4])
     pieces = segments(rank, seq // world, world, True)
 
     def local(t: torch.Tensor) -> torch.Tensor:

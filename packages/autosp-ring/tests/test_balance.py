@@ -13,20 +13,8 @@ import torch
 
 from autosp_ring import balance as B
 from autosp_ring.op import segments
-
-
-def doc_mask(lengths: list[int]) -> torch.Tensor:
-    """[1, 1, S, S] block-diagonal mask of documents of ``lengths`` (causal comes from ``causal=True``)."""
-    doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
-    return (doc[None, :] == doc[:, None])[None, None]
-
-
-def random_docs(seq: int, mean: int, rng: random.Random) -> list[int]:
-    lengths: list[int] = []
-    while sum(lengths) < seq:
-        lengths.append(max(1, int(rng.expovariate(1 / mean))))
-    lengths[-1] -= sum(lengths) - seq
-    return lengths
+from autosp_ring.work import document_mask as doc_mask
+from autosp_ring.work import random_documents as random_docs
 
 
 def layout(seq: int, world: int, zigzag: bool) -> list[list[tuple[int, int, int]]]:

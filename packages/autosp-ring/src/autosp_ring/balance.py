@@ -157,24 +157,29 @@ class Plan:
 
     def to_plan(self, group: dist.ProcessGroup, *xs: Tensor) -> list[Tensor]:
         """``[B, H, L, ...]`` tensors from the program's layout to the plan's (rows along dim 2)."""
-        if not self.moves:
-            return list(xs)
-        rows = _rows(xs)
-        send, order = self.send_rows.to(rows.device), self.recv_order.to(rows.device)
-        moved = _exchange(group, rows.index_select(0, send), self.recv_counts, self.send_counts)
-        placed = torch.empty_like(moved)
-        placed[order] = moved
-        return _unrows(placed, xs)
+        return self._move(group, xs, self.send_rows, self.recv_order, self.recv_counts, self.send_counts)
 
     def from_plan(self, group: dist.ProcessGroup, *xs: Tensor) -> list[Tensor]:
         """The inverse of ``to_plan``."""
+        return self._move(group, xs, self.recv_order, self.send_rows, self.send_counts, self.recv_counts)
+
+    def _move(
+        self,
+        group: dist.ProcessGroup,
+        xs: tuple[Tensor, ...],
+        take: Tensor,
+        put: Tensor,
+        into: list[int],
+        out: list[int],
+    ) -> list[Tensor]:
+        """Rows ``take`` of ``xs`` sent (``out`` to each rank), received (``into`` from each) at rows ``put``."""
         if not self.moves:
             return list(xs)
         rows = _rows(xs)
-        send, order = self.send_rows.to(rows.device), self.recv_order.to(rows.device)
-        moved = _exchange(group, rows.index_select(0, order), self.send_counts, self.recv_counts)
+        take, put = take.to(rows.device), put.to(rows.device)
+        moved = _exchange(group, rows.index_select(0, take), into, out)
         placed = torch.empty_like(moved)
-        placed[send] = moved
+        placed[put] = moved
         return _unrows(placed, xs)
 
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
+
+import torch
 
 from autosp_ring.blocks import allowed_pairs
 from autosp_ring.op import num_steps, segments
@@ -42,4 +45,20 @@ def imbalance(work: list[RankWork]) -> float:
     return max(total) / (sum(total) / len(total))
 
 
-__all__ = ["RankWork", "imbalance", "ring_work"]
+def document_mask(lengths: list[int]) -> torch.Tensor:
+    """``[1, 1, S, S]`` bool: documents of ``lengths`` packed in a row, each attending within itself
+    (bidirectional; pass ``is_causal`` or ``causal=True`` for causal documents)."""
+    doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    return (doc[None, :] == doc[:, None])[None, None]
+
+
+def random_documents(seq: int, mean: int, rng: random.Random) -> list[int]:
+    """Lengths of documents filling ``seq`` tokens, exponentially distributed around ``mean``."""
+    lengths: list[int] = []
+    while sum(lengths) < seq:
+        lengths.append(max(1, int(rng.expovariate(1 / mean))))
+    lengths[-1] -= sum(lengths) - seq
+    return lengths
+
+
+__all__ = ["RankWork", "document_mask", "imbalance", "random_documents", "ring_work"]
