@@ -183,14 +183,15 @@ class Plan:
         return _unrows(placed, xs)
 
 
-def _exchange(group: dist.ProcessGroup, rows: Tensor, out_counts: list[int], in_counts: list[int]) -> Tensor:
+def _exchange(group: dist.ProcessGroup, rows: Tensor, received: list[int], sent: list[int]) -> Tensor:
+    """One all-to-all of ``rows`` (``sent[r]`` of them to rank r, in order): ``received[r]`` from each."""
     from autosp_ring.op import host_staged  # the op imports this module
 
     device = rows.device
     if host_staged(str(dist.get_backend(group)), device):
         rows = rows.cpu()
     out = torch.empty_like(rows)
-    work = dist.all_to_all_single(out, rows, out_counts, in_counts, group=group, async_op=True)
+    work = dist.all_to_all_single(out, rows, received, sent, group=group, async_op=True)
     peer_failure.wait(work, group, out.device)
     return out.to(device)
 
