@@ -2,7 +2,7 @@
 
 SDPA with an additive padding mask (finfo.min, broadcast over queries) and GQA on 2 ranks (ring)
 and on 4 (hybrid 2x2, q/k/v crossing each ulysses group in one all-to-all); causal SDPA with GQA
-(enable_gqa) on 4 (ring); on 2, packed documents whose query rows ring balances by the mask. (Written-out attention with finfo.min fills stays as written, so HF's
+(enable_gqa) on 4 (ring); on 2 and 4, packed documents whose query rows ring balances by the mask. (Written-out attention with finfo.min fills stays as written, so HF's
 eager and GPT-2's forms are not ring sites: test_written_attention.py.)  The ring
 blocks run on the CPU flash kernel (its forward and backward), which the block counters show.
 """
@@ -57,9 +57,12 @@ def test_two_ranks_ring(refs):
 
 
 def test_four_ranks_ring_and_hybrid(refs):
-    per_rank = run_spmd(run, 4, [(SDPA_GQA, "ring", None), (PADDED, "hybrid", HYBRID)], SEQ)
+    jobs = [(SDPA_GQA, "ring", None), (PADDED, "hybrid", HYBRID), (SKEWED, "ring", {"balance_chunk": 1})]
+    per_rank = run_spmd(run, 4, jobs, SEQ)
     _check(per_rank, refs, 4)
     for results in per_rank:
+        blocks = results[SKEWED, "ring"]["blocks"]
+        assert blocks.get(("forward", "balanced"), 0) == blocks.get(("backward", "balanced"), 0) == 2, blocks
         # Per layer: q, k and v in one all-to-all over the ulysses group, the output back in another.
         got = results[PADDED, "hybrid"]
         assert got["collectives"]["all_to_all"] == 2 * got["sites"], got["collectives"]
