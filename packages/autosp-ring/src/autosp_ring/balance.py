@@ -22,6 +22,7 @@ A plan that would not cut the slowest rank's work enough (``GAIN``, ``MOVE_GAIN`
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.distributed as dist
@@ -143,10 +144,10 @@ class Plan:
 
     def k_runs(self, q_piece: Piece, k_pieces: list[Piece]) -> list[Piece]:
         """Runs of key chunks of ``k_pieces`` that the query chunk meets (empty tiles left out)."""
-        row = self.grid[q_piece[0] // self.chunk]
+        row = self._kept[q_piece[0] // self.chunk]
         runs: list[Piece] = []
         for g, n, s in split(k_pieces, self.chunk):
-            if not bool(row[g // self.chunk]):
+            if not row[g // self.chunk]:
                 continue
             if runs and runs[-1][0] + runs[-1][1] == g and runs[-1][2] + runs[-1][1] == s:
                 last = runs.pop()
@@ -154,6 +155,11 @@ class Plan:
             else:
                 runs.append((g, n, s))
         return runs
+
+    @cached_property
+    def _kept(self) -> list[list[bool]]:
+        # The grid as lists: read per tile, every ring step, forward and backward.
+        return self.grid.tolist()
 
     def to_plan(self, group: dist.ProcessGroup, *xs: Tensor) -> list[Tensor]:
         """``[B, H, L, ...]`` tensors from the program's layout to the plan's (rows along dim 2)."""
