@@ -207,6 +207,29 @@ def input_faults(rank: int, world: int) -> dict[str, Any]:
         for p, r in zip(model.parameters(), reference.parameters())
     )
 
+    # The model compiled inside non-reentrant torch.utils.checkpoint (its first call under the
+    # checkpoint's saved-tensor hooks), then recomputed in the backward: as in eager.
+    model, reference = _llama(), _llama()
+    out["checkpointed"] = attempt(
+        lambda: torch.utils.checkpoint.checkpoint(
+            autosp.compile(model, backend="aot_eager"), _ids(2, 32), _ids(2, 32), use_reentrant=False
+        ).backward()
+    )
+    reference(_ids(2, 32), _ids(2, 32)).backward()
+    out["checkpointed_grad"] = max(
+        float((p.grad - r.grad).abs().max()) if p.grad is not None else float("inf")
+        for p, r in zip(model.parameters(), reference.parameters())
+    )
+
+    # A call under a TorchDispatchMode (FlopCounterMode): Dynamo would run it in eager and skip the
+    # forward's code from then on. Refused before Dynamo sees it, the next call compiles as usual.
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counted = autosp.compile(_llama(), backend="eager")
+    with FlopCounterMode(display=False):
+        out["under_mode"] = attempt(lambda: counted(_ids(2, 32), _ids(2, 32)))
+    out["after_mode"] = attempt(lambda: counted(_ids(2, 32), _ids(2, 32)))
+
     # A length marked dynamic that AutoSP's lowering fixes (a fused qkv projection with a bias):
     # an AutoSPError that says what to do, not Dynamo's ConstraintViolationError.
     torch._dynamo.reset()

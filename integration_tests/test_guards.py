@@ -145,6 +145,18 @@ def test_backward_with_retain_graph_runs_twice_as_in_eager(faults):
         assert r["retain_graph_grad"] < 1e-5, r["retain_graph_grad"]
 
 
+def test_compiled_inside_a_checkpoint_recomputes_as_in_eager(faults):
+    for r in faults:
+        assert r["checkpointed"]["error"] is None, r["checkpointed"]
+        assert r["checkpointed_grad"] < 1e-5, r["checkpointed_grad"]
+
+
+def test_a_call_under_a_dispatch_mode_is_refused_and_leaves_later_calls_compiled(faults):
+    for r in faults:
+        _error(r["under_mode"], "EagerFallback", r"TorchDispatchMode \(\w*FlopCounterMode\)", r"outside the mode")
+        assert r["after_mode"]["error"] is None, r["after_mode"]
+
+
 def test_weights_that_part_after_the_first_call_are_refused(faults):
     # Optimizer steps on every rank: every call runs, the ranks agreeing on the loss.
     for i in range(2):

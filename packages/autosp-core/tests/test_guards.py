@@ -517,3 +517,19 @@ def test_the_backward_check_hooks_only_what_the_program_computed():
     check_backward(Check(), leaf)
     leaf.sum().backward()
     assert len(calls) == 3
+
+
+def test_dispatch_modes_dynamo_would_skip_are_refused_and_infra_modes_are_not():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from autosp.guards import refuse_dispatch_modes
+
+    refuse_dispatch_modes()  # no mode
+    with FakeTensorMode():  # an infra mode: Dynamo compiles under it
+        refuse_dispatch_modes()
+    with (
+        FlopCounterMode(display=False),
+        pytest.raises(EagerFallback, match=r"TorchDispatchMode \(\w*FlopCounterMode\)"),
+    ):
+        refuse_dispatch_modes()

@@ -135,3 +135,35 @@ def test_sp1_accepts_3d_sdpa():
 
     x = torch.randn(2, 6, 8)
     assert_close(autosp.compile(f, sp_size=1, backend="aot_eager")(x), f(x))
+
+
+@pytest.mark.parametrize(
+    "around",
+    [
+        lambda f, *a: torch.utils.checkpoint.checkpoint(f, *a, use_reentrant=False),
+        lambda f, *a: _under(torch.autograd.graph.save_on_cpu(), f, *a),
+    ],
+    ids=["checkpoint", "save_on_cpu"],
+)
+def test_first_call_under_saved_tensor_hooks_equals_eager(around):
+    # The compile runs inside the first call, under the caller's hooks; the passes' own traces
+    # used to count among the checkpointed forward's saved tensors, and its recomputation refused.
+    from autosp.testing.models import Config, LlamaLike
+
+    torch.manual_seed(0)
+    eager = LlamaLike(Config(layers=1))
+    model = copy.deepcopy(eager)
+    ids = torch.randint(0, 96, (2, 16))
+    compiled = autosp.compile(model, sp_size=1, backend="aot_eager")
+    loss = around(compiled, ids, ids)
+    loss.backward()
+    ref = eager(ids, ids)
+    ref.backward()
+    assert_close(loss, ref)
+    for name, grad in _grads(eager).items():
+        assert_close(_grads(model)[name], grad, msg=name)
+
+
+def _under(context, f, *args):
+    with context:
+        return f(*args)

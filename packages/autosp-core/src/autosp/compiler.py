@@ -27,6 +27,7 @@ from autosp.registry import Registry
 from autosp.report import Report
 from autosp.rng_check import python_draws, random_ops
 from autosp.sharded_outputs import refuse_dtensor_inputs, wrap_outputs
+from autosp.torch_compat import saved_tensor_hooks_off
 
 _graph_ids = itertools.count()
 
@@ -178,6 +179,25 @@ def compile_graph(
     group: Any,
     world: int,
     reports: list[Report] | None = None,
+) -> Callable[..., Any]:
+    # Dynamo compiles inside the call, so under the caller's saved-tensor hooks: non-reentrant
+    # torch.utils.checkpoint around the compiled model counts the tensors its forward saves, and
+    # the passes' traces (the lowering, the sharding propagation) would add theirs to the first
+    # call's count only (the recomputation then refused, "a different number of tensors was
+    # saved"); save_on_cpu would pack the traces' tensors. The hooks stay for the compiled
+    # program, which applies them at run time.
+    with saved_tensor_hooks_off():
+        return _compile_graph(gm, example_inputs, options, registry, group, world, reports)
+
+
+def _compile_graph(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    options: SPOptions,
+    registry: Registry,
+    group: Any,
+    world: int,
+    reports: list[Report] | None,
 ) -> Callable[..., Any]:
     if world > 1:
         refuse_dtensor_inputs(example_inputs)

@@ -199,6 +199,34 @@ def _hard_dynamo_failures() -> Iterator[None]:
 CALL_INPUTS: contextvars.ContextVar[frozenset[int] | None] = contextvars.ContextVar("autosp_call_inputs", default=None)
 
 
+def refuse_dispatch_modes() -> None:
+    """Refuse a call under a ``TorchDispatchMode`` that Dynamo does not compile under, before Dynamo sees it.
+
+    Dynamo runs such a frame in eager and marks its code skipped for good: every later call of the
+    same forward, outside the mode too and through a new ``autosp.compile``, would run in eager.
+    Refused here, before the input check's collective, the forward's code is never marked.
+    """
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    modes = [
+        type(m).__name__
+        for m in _get_current_dispatch_mode_stack()
+        # ignore_compile_internals is newer than some GPU images' torch
+        if not m.is_infra_mode() and not getattr(m, "ignore_compile_internals", lambda: False)()
+    ]
+    if not modes:
+        return
+    error = EagerFallback(
+        f"the compiled model was called under a TorchDispatchMode ({', '.join(modes)}): Dynamo does not compile "
+        "under one, so the call would run in eager, the whole sequence on every rank, and Dynamo would skip this "
+        "forward's code in every later call too. Call the compiled model outside the mode (count FLOPs or trace "
+        "ops on the model itself, uncompiled, or with sp_size=1); torch.utils.checkpoint(..., debug=True) "
+        "is such a mode."
+    )
+    peer_failure.announce(error)  # the ranks without the mode wait in the input check: they fail at once
+    raise error
+
+
 class GraphRuns:
     """Counts the runs of AutoSP's compiled graphs, to tell a call that ran none of them."""
 
@@ -255,6 +283,7 @@ class GuardedCall:
 
     @torch.compiler.disable(reason=_torchdynamo_disable_msg)  # type: ignore[untyped-decorator]
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        refuse_dispatch_modes()
         leaves = flatten_inputs(args, kwargs, self.signature)
         if self.check is not None:
             state = self.state.fingerprints() if self.state is not None else None

@@ -6,9 +6,11 @@ older releases, and a renamed helper must not keep the whole CUDA path from impo
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
+import torch._dynamo.utils as _dynamo_utils
 import torch.distributed as dist
 from torch.fx.experimental import symbolic_shapes as _shapes
 
@@ -30,4 +32,10 @@ except ImportError:  # torch < 2.13 takes any callable as a scheduler hook; this
 # torch 2.13 renamed all_gather_into_tensor; the old name is what older releases have.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-__all__ = ["CustomSchedulerPass", "all_gather_single", "optimization_hint"]
+# While set, autograd applies no saved-tensor hooks (torch.utils.checkpoint's, save_on_cpu's): AOT
+# autograd sets it around its own tracing. Older releases have no such switch.
+saved_tensor_hooks_off: Callable[[], contextlib.AbstractContextManager[Any]] = getattr(
+    _dynamo_utils, "_disable_saved_tensors_hooks_during_tracing", contextlib.nullcontext
+)
+
+__all__ = ["CustomSchedulerPass", "all_gather_single", "optimization_hint", "saved_tensor_hooks_off"]
