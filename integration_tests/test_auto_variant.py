@@ -38,6 +38,7 @@ def test_auto_two_ranks():
     assert any("refuses a site found after lowering" in n for n in mha["notes"]), mha["notes"]
 
 
+@pytest.mark.extended(covered_by="test_auto_two_ranks")
 def test_auto_four_ranks_with_heads_ulysses_cannot_split(tmp_path):
     # A node whose neighbour hops are slow (1 ms each) and all-to-alls fast: with 2 heads at sp=4
     # hybrid's one ring hop beats the ring's three. On the built-in profiles, at this tiny size,

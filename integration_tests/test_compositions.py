@@ -43,7 +43,9 @@ def assert_curves_close(a: list[float], b: list[float]) -> None:
         assert math.isclose(x, y, rel_tol=RTOL), f"step {step}: {x} vs {y}\n{a}\n{b}"
 
 
-@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+@pytest.mark.parametrize(
+    "kind", ["ddp", pytest.param("fsdp", marks=pytest.mark.extended(covered_by="test_dp2_sp2_matches_one_process"))]
+)
 def test_dp2_sp2_matches_one_process(single: list[float], kind: str) -> None:
     result = run(TINY + ["--sp-size", "2", "--dp", "2", "--data-parallel", kind])
     assert len(result.peak_rss_mb) == 4
@@ -51,7 +53,9 @@ def test_dp2_sp2_matches_one_process(single: list[float], kind: str) -> None:
     assert single[-1] < single[0]
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize(
+    "stage", [1, pytest.param(2, marks=pytest.mark.extended(covered_by="test_deepspeed_dp2_sp2_matches_one_process"))]
+)
 def test_deepspeed_dp2_sp2_matches_one_process(
     single: list[float], stage: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -61,6 +65,7 @@ def test_deepspeed_dp2_sp2_matches_one_process(
     assert_curves_close(result.losses, single)
 
 
+@pytest.mark.extended(covered_by="test_deepspeed_dp2_sp2_matches_one_process")
 def test_deepspeed_data_parallel_group_is_dp_only(monkeypatch: pytest.MonkeyPatch) -> None:
     # Averaging over the world would give the same gradients (SP ranks hold equal ones),
     # so check the group itself: ZeRO must shard over the 2 dp ranks, not all 4.

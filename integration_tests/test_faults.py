@@ -99,6 +99,7 @@ CONSEQUENCE = r"\nthen, as a consequence:\n  rank 0: (RuntimeError|CollectiveFai
             rf"\d+ s, and rank\(s\) 0 gave up waiting for it in a collective \(--timeout "
             rf"{TIMEOUT_S} s\)",
             id="hang",
+            marks=pytest.mark.extended(covered_by="test_a_broken_rank_ends_the_job_and_is_named"),
         ),
         pytest.param(
             "stop",
@@ -106,6 +107,7 @@ CONSEQUENCE = r"\nthen, as a consequence:\n  rank 0: (RuntimeError|CollectiveFai
             r"^rank 1 stopped responding in step 3: it is alive but has sent no heartbeat for "
             r"\d+ s",
             id="stop",
+            marks=pytest.mark.extended(covered_by="test_a_broken_rank_ends_the_job_and_is_named"),
         ),
     ],
 )
@@ -132,6 +134,9 @@ def test_watchdog_ends_a_job_whose_ranks_all_hang(
     assert took < TIMEOUT_S + MARGIN_S, f"the job took {took:.0f} s to end after the fault"
 
 
+@pytest.mark.extended(
+    covered_by="tools/tests/test_checkpoint.py::test_resolve_auto_starts_fresh_only_when_there_is_nothing"
+)
 def test_killed_rank_then_resume_auto_loses_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:

@@ -206,7 +206,8 @@ PARAMS = [
         *c[1:4],
         c[4] if len(c) > 4 else {},
         id=f"{c[0]}-{c[1]}-P{c[2]}",
-        marks=[pytest.mark.xfail(strict=True, reason=OPEN[c[0]])] if c[0] in OPEN else [],
+        marks=([pytest.mark.xfail(strict=True, reason=OPEN[c[0]])] if c[0] in OPEN else [])
+        + ([pytest.mark.extended(covered_by="test_regression")] if c[2] > 2 else []),
     )
     for c in CASES
 ]

@@ -230,6 +230,7 @@ def test_a_graph_that_fails_to_compile_on_one_rank_fails_on_every_rank(faults):
     assert r0["after_compile_failure"]["loss"] == r1["after_compile_failure"]["loss"]
 
 
+@pytest.mark.extended(covered_by="integration_tests/test_faults.py::test_timeout_reaches_subgroups_made_without_one")
 def test_rank_that_raises_and_stays_alive():
     (r0, r1) = run_spmd(guards_workers.rank_raises, 2, TIMEOUT_S, fresh=True)
     assert r0["group_timeouts"] == r1["group_timeouts"] == [120.0, TIMEOUT_S]
@@ -284,6 +285,9 @@ def test_ranks_backpropagating_different_gradients_are_refused():
         assert r["labels_alike_grad"] < 1e-6, r
 
 
+@pytest.mark.extended(
+    covered_by="packages/autosp-core/tests/test_weak_group.py::test_a_live_object_of_a_destroyed_default_group_is_refused"
+)
 def test_groups_are_not_kept_alive_past_destroy_process_group():
     # A group kept alive past destroy_process_group is torn down at interpreter exit, where gloo
     # can abort the process; and a call after it must say what happened.
@@ -377,7 +381,15 @@ def test_programs_that_differ_between_ranks_are_refused(faults):
         )
 
 
-@pytest.mark.parametrize("variant", ["ulysses", "ring"])  # all-to-alls; ring's hops
+@pytest.mark.parametrize(
+    "variant",
+    [
+        "ulysses",
+        pytest.param(
+            "ring", marks=pytest.mark.extended(covered_by="test_a_rank_whose_program_raises_fails_its_peers_at_once")
+        ),
+    ],
+)  # all-to-alls; ring's hops
 def test_a_rank_whose_program_raises_fails_its_peers_at_once(variant):
     r0, r1 = run_spmd(guards_workers.peer_fails_in_program, 2, variant, fresh=True)
     for r in (r0, r1):
@@ -403,7 +415,22 @@ def test_a_rank_whose_program_raises_fails_its_peers_at_once(variant):
     assert r0["one"]["seconds"] < FAST_S, r0["one"]
 
 
-@pytest.mark.parametrize(("backend", "leaves"), [("aot_eager", False), ("inductor", False), ("aot_eager", True)])
+@pytest.mark.parametrize(
+    ("backend", "leaves"),
+    [
+        ("aot_eager", False),
+        pytest.param(
+            "inductor",
+            False,
+            marks=pytest.mark.extended(covered_by="test_a_rank_whose_backward_raises_fails_its_peers_at_once"),
+        ),
+        pytest.param(
+            "aot_eager",
+            True,
+            marks=pytest.mark.extended(covered_by="test_a_rank_whose_backward_raises_fails_its_peers_at_once"),
+        ),
+    ],
+)
 def test_a_rank_whose_backward_raises_fails_its_peers_at_once(backend, leaves):
     r0, r1 = run_spmd(guards_workers.peer_fails_in_backward, 2, backend, leaves, fresh=True)
     assert r0["good"]["error"] is None and r1["good"]["error"] is None, (r0, r1)
@@ -417,6 +444,7 @@ def test_a_rank_whose_backward_raises_fails_its_peers_at_once(backend, leaves):
     assert r0["bad"]["seconds"] < FAST_S, r0["bad"]
 
 
+@pytest.mark.extended(covered_by="test_a_rank_whose_program_raises_fails_its_peers_at_once")
 def test_a_failure_reaches_ranks_that_share_no_group_with_the_failed_rank():
     results = run_spmd(guards_workers.peer_fails_in_hybrid, 4, fresh=True)
     assert all(r["good"]["error"] is None for r in results), results

@@ -90,6 +90,7 @@ MORE_ROWS: dict[Row, str] = {
 @pytest.mark.parametrize(
     "row", list(MORE_ROWS), ids=[r.label().replace(" | ", "-").replace(" ", "_") for r in MORE_ROWS]
 )
+@pytest.mark.extended(covered_by="test_row")
 def test_more_architectures(pool: SPMDPool, row: Row) -> None:
     out = check_row(pool, row, timeout_s=600.0)
     assert out.kind == "exact" and MORE_ROWS[row] in out.detail, f"{row.label()}: {out.cell()}"

@@ -69,6 +69,7 @@ def test_sp2_matches_one_process(sp2, reference, run):
     _check(sp2, run, reference[run], world=2)
 
 
+@pytest.mark.extended(covered_by="test_sp2_matches_one_process")
 def test_dp2_sp2_matches_one_process(mesh, reference):
     """Each SP group reads its own rows; DDP averages over the dp group only; the logged loss is global."""
     ga, rows = MESH_RUN

@@ -44,6 +44,7 @@ def _assert_overlapped(r: dict, key: str) -> None:
             assert f"overlap {stage}: {2 * layers} of " in "\n".join(lines), (key, stage, lines)
 
 
+@pytest.mark.extended(covered_by="test_pipelined_heads_inductor")
 def test_pipelined_heads_aot_eager():
     # llama: GQA with one kv head per rank (k/v travel whole with group 0); gpt2: k/v split with q;
     # llama-mqa: one kv head on two ranks (repeated, then whole with group 0); llama with SAC

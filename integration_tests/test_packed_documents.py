@@ -48,7 +48,14 @@ def test_two_ranks():
     check(2, "ring", [SDPA_CASE, WRITTEN_CASE])
 
 
-@pytest.mark.parametrize(("variant", "options"), [("ulysses", None), ("ring", None), ("hybrid", {"ulysses_degree": 2})])
+@pytest.mark.parametrize(
+    ("variant", "options"),
+    [
+        pytest.param("ulysses", None, marks=pytest.mark.extended(covered_by="test_two_ranks")),
+        pytest.param("ring", None, marks=pytest.mark.extended(covered_by="test_two_ranks")),
+        ("hybrid", {"ulysses_degree": 2}),
+    ],
+)
 def test_four_ranks(variant, options):
     check(4, variant, [SDPA_CASE], options)
 
@@ -59,7 +66,9 @@ def _spread(per_rank: list[dict], phase: str) -> float:
     return max(area) / (sum(area) / len(area))
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize(
+    "world", [2, pytest.param(4, marks=pytest.mark.extended(covered_by="test_ring_balances_documents_by_the_mask"))]
+)
 def test_ring_balances_documents_by_the_mask(world):
     # In the zigzag layout the ranks holding the long document's late rows do 1.25x (P=2) and 1.4x
     # (P=4) the mean work. Balanced in chunks of any size (the row is 32 tokens), every rank within

@@ -47,6 +47,7 @@ def _check(per_rank: list[dict], refs: dict, world: int) -> None:
                 )
 
 
+@pytest.mark.extended(covered_by="integration_tests/test_written_attention.py::test_two_ranks_inductor")
 def test_two_ranks_ring(refs):
     # Packed documents of 3/4 and 1/4 of the row: query rows balanced by the mask (chunks of any size).
     per_rank = run_spmd(run, 2, [(PADDED, "ring", None), (SKEWED, "ring", {"balance_chunk": 1})], SEQ)
@@ -56,6 +57,7 @@ def test_two_ranks_ring(refs):
         assert blocks.get(("forward", "balanced"), 0) == blocks.get(("backward", "balanced"), 0) == 2, blocks
 
 
+@pytest.mark.extended(covered_by="integration_tests/test_written_attention.py::test_two_ranks_inductor")
 def test_four_ranks_ring_and_hybrid(refs):
     jobs = [(SDPA_GQA, "ring", None), (PADDED, "hybrid", HYBRID), (SKEWED, "ring", {"balance_chunk": 1})]
     per_rank = run_spmd(run, 4, jobs, SEQ)

@@ -38,10 +38,12 @@ def test_two_ranks_aot_eager_ulysses():
     check(2, "aot_eager", "ulysses")
 
 
+@pytest.mark.extended(covered_by="test_two_ranks_aot_eager_ulysses")
 def test_two_ranks_aot_eager_ring():
     check(2, "aot_eager", "ring")  # the padded model's mask tiled block by block
 
 
+@pytest.mark.extended(covered_by="test_two_ranks_aot_eager_ulysses")
 def test_three_ranks_ring():
     check(3, "aot_eager", "ring", ["pool-mean", "pool-last", "reward", "dpo"], seq=24)
 
@@ -54,6 +56,7 @@ FOUR = {
 }
 
 
+@pytest.mark.extended(covered_by="test_two_ranks_aot_eager_ulysses")
 @pytest.mark.parametrize("variant,options", [("ulysses", {}), ("ring", {}), ("hybrid", {"ulysses_degree": 2})])
 def test_four_ranks_aot_eager(variant, options):
     check(4, "aot_eager", variant, FOUR[variant], options=options)
@@ -61,9 +64,11 @@ def test_four_ranks_aot_eager(variant, options):
 
 # Under Inductor, one family each of reductions (a mean pool), selections (the last token's
 # reward) and tokens added inside forward (a [CLS] token): the rules are the same as above.
+@pytest.mark.extended(covered_by="test_two_ranks_aot_eager_ulysses")
 def test_two_ranks_inductor():
     check(2, "inductor", "ulysses", ["pool-mean", "cls-token"])
 
 
+@pytest.mark.extended(covered_by="test_two_ranks_aot_eager_ulysses")
 def test_four_ranks_inductor_ring():
     check(4, "inductor", "ring", ["reward"])

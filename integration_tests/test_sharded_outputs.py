@@ -10,7 +10,12 @@ from sharded_outputs_workers import SEQ, reference, run
 
 @pytest.mark.parametrize(
     ("variant", "world", "backend"),
-    [("ulysses", 2, "aot_eager"), ("ring", 2, "aot_eager"), ("ring", 4, "aot_eager"), ("ulysses", 2, "inductor")],
+    [
+        ("ulysses", 2, "aot_eager"),
+        ("ring", 2, "aot_eager"),
+        pytest.param("ring", 4, "aot_eager", marks=pytest.mark.extended(covered_by="test_logits_as_dtensor")),
+        pytest.param("ulysses", 2, "inductor", marks=pytest.mark.extended(covered_by="test_logits_as_dtensor")),
+    ],
 )
 def test_logits_as_dtensor(variant: str, world: int, backend: str) -> None:
     ref = reference()

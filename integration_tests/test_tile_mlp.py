@@ -7,6 +7,7 @@ leaves as is are checked in one process (packages/autosp-core/tests/test_tile_ml
 from __future__ import annotations
 
 import cases
+import pytest
 import tile_loss_workers as workers
 import torch
 from harness import run_spmd
@@ -53,6 +54,7 @@ def test_two_ranks_ulysses_ring_sac_and_inductor():
     )
 
 
+@pytest.mark.extended(covered_by="test_two_ranks_ulysses_ring_sac_and_inductor")
 def test_four_ranks():
     hybrid = {"tile_mlp": 16, "variant_options": {"ulysses_degree": 2}}
     _check(

@@ -43,18 +43,23 @@ def test_two_sp_ranks_match_one(single: list[float]) -> None:
     assert single[-1] < single[0]  # it learns
 
 
+@pytest.mark.extended(covered_by="test_two_sp_ranks_match_one")
 def test_four_sp_ranks_match_one(single: list[float]) -> None:
     # Four ranks share each sequence; 2 kv heads on 4 ranks are replicated rather than split.
     result = run(TINY + ["--sp-size", "4", "--nproc", "4"])
     assert_curves_close(result.losses, single)
 
 
+@pytest.mark.extended(covered_by="test_two_sp_ranks_match_one")
 def test_two_sp_groups_match_one(single_builtin: list[float]) -> None:
     # Two SP groups of one rank each split the batch and average gradients.
     result = run(BUILTIN + ["--sp-size", "1", "--nproc", "2"])
     assert_curves_close(result.losses, single_builtin)
 
 
+@pytest.mark.extended(
+    covered_by="tools/tests/test_checkpoint.py::test_resolve_auto_starts_fresh_only_when_there_is_nothing"
+)
 def test_resume_reproduces_uninterrupted_curve(single_builtin: list[float], tmp_path: Path) -> None:
     # The built-in model keeps this test quick; the HF one is covered above.
     ckpt = str(tmp_path / "ckpt")

@@ -60,6 +60,7 @@ def test_two_ranks_aot_eager():
         assert r["collectives"]["grad_all_reduce"] == 1, (name, r["collectives"])
 
 
+@pytest.mark.extended(covered_by="test_two_ranks_aot_eager")
 def test_four_ranks_fewer_kv_heads_than_ranks():
     # 2 kv heads on 4 ranks, and multi-query attention: each kv head is repeated the fewest times that
     # splits over the ranks (2x, 4x), then exchanged with q: still two all-to-alls and nothing gathered.

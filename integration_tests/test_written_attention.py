@@ -73,6 +73,7 @@ def test_two_ranks_ulysses():
     check(2, "aot_eager", "ulysses", list(CASES))
 
 
+@pytest.mark.extended(covered_by="test_two_ranks_ulysses")
 def test_two_ranks_ring():
     # Ring tiles the mask the model builds (nanoGPT's tril buffer, a padding mask) block by block;
     # GPT-2's finfo.min fill stays as written (a fully masked row would get n times its gradient as SDPA).
@@ -86,12 +87,14 @@ def test_two_ranks_ring():
     check(2, "aot_eager", "ring", list(expect), expect=expect)
 
 
+@pytest.mark.extended(covered_by="test_two_ranks_ulysses")
 def test_three_ranks_heads_not_divisible():
     # 4 heads over 3 ranks: Ulysses cannot split them, so the written-out attention stays as written.
     expect = {("nano", "none", 4, False): (0, "not divisible by sp_size=3")}
     check(3, "aot_eager", "ulysses", list(expect), seq=24, expect=expect)
 
 
+@pytest.mark.extended(covered_by="test_two_ranks_ulysses")
 def test_four_ranks_ulysses():
     # The rewritten and the kept-as-written forms; graph breaks and cross-attention run at P=2 above
     # (cross-attention's query rows at P=2, 3 and 4 in the rule harness, test_sharding_rules.py).
@@ -101,7 +104,11 @@ def test_four_ranks_ulysses():
 @pytest.mark.parametrize(
     ("variant", "cases"),
     [
-        ("ulysses", [("hf_eager", "checkpoint", 2, False), ("cross", "none", 4, False), ("flat", "none", 2, False)]),
+        pytest.param(
+            "ulysses",
+            [("hf_eager", "checkpoint", 2, False), ("cross", "none", 4, False), ("flat", "none", 2, False)],
+            marks=pytest.mark.extended(covered_by="test_two_ranks_inductor"),
+        ),
         # Ring's tiles of a model-built mask (nanoGPT's tril buffer, as SDPA's attn_mask) under Inductor.
         ("ring", [("sdpa", "before_head", 2, False), ("nano", "none", 4, False)]),
     ],

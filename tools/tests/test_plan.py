@@ -40,6 +40,7 @@ def test_prediction_matches_a_real_two_rank_run():
     assert predicted["peak_bytes"] == pytest.approx(measured["peak_bytes"], rel=0.20)
 
 
+@pytest.mark.extended(covered_by="test_prediction_matches_a_real_two_rank_run")
 def test_prediction_matches_the_peak_where_fixed_buffers_dominate():
     """P=4, a short sequence, SAC on: little is saved, so what is not an activation sets the peak.
 
@@ -67,6 +68,7 @@ def test_collective_buffers_match_the_implementation():
         assert walked == pytest.approx(measured, rel=0.01, abs=256), label
 
 
+@pytest.mark.extended(covered_by="test_prediction_matches_a_real_two_rank_run")
 def test_layer_scaling_matches_the_whole_model():
     """Compiling 1 and 2 layers and scaling to 4 gives what compiling all 4 gives."""
     seq = 1024

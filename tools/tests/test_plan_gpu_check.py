@@ -68,6 +68,7 @@ def test_a_failing_stage_is_recorded_and_the_others_run(tmp_path):
     assert data["fine"] == {"ok": True, "result": {"x": 1}, "seconds": data["fine"]["seconds"]}
 
 
+@pytest.mark.extended(covered_by="test_cpu_quick_stages")
 def test_overlap_trace_stage_reports_exchanges_and_writes_traces(tmp_path):
     out = tmp_path / "check.json"
     rc = gpu_check.main(["--device", "cpu", "--quick", "--out", str(out), "--stages", "overlap_trace"])
@@ -80,6 +81,7 @@ def test_overlap_trace_stage_reports_exchanges_and_writes_traces(tmp_path):
     assert all((tmp_path / "overlap_traces" / name).stat().st_size > 0 for name in stage["result"]["traces"])
 
 
+@pytest.mark.extended(covered_by="test_cpu_quick_stages")
 def test_flex_stage_runs_forward_on_the_cpu(tmp_path):
     # On CUDA the stage checks every gradient too; here it keeps the model, the block mask and the
     # compile working (torch has no FlexAttention backward on CPU).

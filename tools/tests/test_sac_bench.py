@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from autosp_tools import sac_bench
 
 
@@ -43,6 +45,7 @@ def test_tiny_run_writes_table_json_and_plot(tmp_path):
     assert (out / "sac.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.extended(covered_by="test_tiny_run_writes_table_json_and_plot")
 def test_deepspeed_autosp_runs_beside_ours(tmp_path):
     out = tmp_path / "sac-ds"
     rows = sac_bench.run(
