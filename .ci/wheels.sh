@@ -42,7 +42,8 @@ PY
 stage "built"
 venv=$work/venv
 python3 -m venv "$venv"
-pip=(quiet "$venv/bin/python" -m pip install -q)
+# No byte-compiling of the packages at install (torch has thousands of modules): this venv imports few.
+pip=(quiet "$venv/bin/python" -m pip install -q --no-compile)
 "${pip[@]}" torch==2.13.0 pluggy  # the CPU torch wheel on this machine's disk (see ENVIRONMENT.md)
 # --no-index: the members' own dependency ranges must resolve to the wheels just built.
 "${pip[@]}" --no-index --find-links "$dist" autosp-core autosp-ulysses
