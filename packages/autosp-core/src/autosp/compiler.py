@@ -9,7 +9,7 @@ import itertools
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,8 @@ from autosp.sharded_outputs import refuse_dtensor_inputs, wrap_outputs
 from autosp.torch_compat import saved_tensor_hooks_off
 
 _graph_ids = itertools.count()
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 
 def _fake_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[list[Any], Any]:
@@ -171,6 +173,23 @@ class InductorPartitioner(CustomPartitionerFn):
         return (str, (self.uuid(),))
 
 
+def _without_saved_tensor_hooks(compile_fn: Callable[_P, _R]) -> Callable[_P, _R]:
+    """Dynamo compiles inside the call, so under the caller's saved-tensor hooks: non-reentrant
+    torch.utils.checkpoint around the compiled model counts the tensors its forward saves, and the
+    passes' traces (the lowering, the sharding propagation) would add theirs to the first call's
+    count only (the recomputation then refused, "a different number of tensors was saved");
+    save_on_cpu would pack the traces' tensors. The hooks stay for the compiled program, which
+    applies them at run time."""
+
+    @functools.wraps(compile_fn)
+    def compile_without_hooks(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with saved_tensor_hooks_off():
+            return compile_fn(*args, **kwargs)
+
+    return compile_without_hooks
+
+
+@_without_saved_tensor_hooks
 def compile_graph(
     gm: torch.fx.GraphModule,
     example_inputs: Sequence[Any],
@@ -179,25 +198,6 @@ def compile_graph(
     group: Any,
     world: int,
     reports: list[Report] | None = None,
-) -> Callable[..., Any]:
-    # Dynamo compiles inside the call, so under the caller's saved-tensor hooks: non-reentrant
-    # torch.utils.checkpoint around the compiled model counts the tensors its forward saves, and
-    # the passes' traces (the lowering, the sharding propagation) would add theirs to the first
-    # call's count only (the recomputation then refused, "a different number of tensors was
-    # saved"); save_on_cpu would pack the traces' tensors. The hooks stay for the compiled
-    # program, which applies them at run time.
-    with saved_tensor_hooks_off():
-        return _compile_graph(gm, example_inputs, options, registry, group, world, reports)
-
-
-def _compile_graph(
-    gm: torch.fx.GraphModule,
-    example_inputs: Sequence[Any],
-    options: SPOptions,
-    registry: Registry,
-    group: Any,
-    world: int,
-    reports: list[Report] | None,
 ) -> Callable[..., Any]:
     if world > 1:
         refuse_dtensor_inputs(example_inputs)
