@@ -18,7 +18,7 @@ import pytest  # noqa: E402
 # Two tiers. `hatch run test` (the README's test command, what CI runs) leaves out the tests marked
 # `extended`; `hatch run test-all` runs every test. An extended test repeats, at another world size,
 # backend or over more programs, a behaviour that a first-tier test checks already, and names that
-# test: the first tier alone still checks every behaviour once.
+# test, so that no behaviour is left to test-all alone.
 EXTENDED = (
     "extended(covered_by): run by `hatch run test-all`, not by `hatch run test` (CI); covered_by names the "
     "first-tier test that checks the same behaviour: a test function of the same module, or path::function"

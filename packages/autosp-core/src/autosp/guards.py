@@ -202,8 +202,9 @@ CALL_INPUTS: contextvars.ContextVar[frozenset[int] | None] = contextvars.Context
 def refuse_dispatch_modes() -> None:
     """Refuse a call under a ``TorchDispatchMode`` that Dynamo does not compile under, before Dynamo sees it.
 
-    Dynamo runs such a frame in eager and marks its code skipped for good: every later call of the
-    same forward, outside the mode too and through a new ``autosp.compile``, would run in eager.
+    Dynamo runs such a frame in eager and marks its code skipped until ``torch._dynamo.reset()``:
+    every later call of the same forward, outside the mode too and through a new ``autosp.compile``,
+    would run in eager.
     Refused here, before the input check's collective, the forward's code is never marked.
     """
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
