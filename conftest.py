@@ -1,5 +1,6 @@
 """Settings for every test process pytest starts, and through the environment for every process they spawn."""
 
+import functools
 import os
 from pathlib import Path
 
@@ -30,12 +31,17 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", EXTENDED)
 
 
+@functools.cache
+def _defines(path: str, function: str) -> bool:
+    return (ROOT / path).is_file() and f"def {function}(" in (ROOT / path).read_text()
+
+
 def _names_a_test(item: pytest.Item, name: object, collected: set, first_tier: set) -> bool:
     if not isinstance(name, str):
         return False
     if "::" in name:  # another file's test: it must exist there (its tier is that file's marks)
         path, function = name.split("::")
-        return (ROOT / path).is_file() and f"def {function}(" in (ROOT / path).read_text()
+        return _defines(path, function)
     target = getattr(getattr(item, "module", None), name, None)
     # One collected here must have a first-tier case (not checked when one test is run by its id).
     return target is not None and (target not in collected or target in first_tier)

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch._dynamo.exc import FailOnRecompileLimitHit
 from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from autosp import peer_failure
 from autosp.errors import AutoSPError, CollectiveFailure
@@ -207,8 +208,6 @@ def refuse_dispatch_modes() -> None:
     would run in eager.
     Refused here, before the input check's collective, the forward's code is never marked.
     """
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
     modes = [
         type(m).__name__
         for m in _get_current_dispatch_mode_stack()
