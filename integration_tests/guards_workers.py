@@ -128,6 +128,24 @@ class _FusedQKV(torch.nn.Module):
         return self.head(x + a.transpose(1, 2).reshape(b, s, c)).square().mean()
 
 
+class _Decoder(torch.nn.Module):
+    """One attention layer that returns its keys and values as a cache and attends over a cache passed in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(96, 16)
+        self.qkv = torch.nn.Linear(16, 48)
+        self.out = torch.nn.Linear(16, 16)
+
+    def forward(self, ids: torch.Tensor, cache: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        b, s = ids.shape
+        q, k, v = self.qkv(self.embed(ids)).view(b, s, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        if cache is not None:  # every cached position precedes the new tokens
+            k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=cache is None)
+        return self.out(o.transpose(1, 2).flatten(2)).square().mean(), torch.stack([k, v]).detach()
+
+
 def attempt(fn: Callable[[], Any]) -> dict[str, Any]:
     """Run ``fn``; the exception's type and text (or "ok") and the seconds it took."""
     start = time.perf_counter()
@@ -220,6 +238,30 @@ def input_faults(rank: int, world: int) -> dict[str, Any]:
         float((p.grad - r.grad).abs().max()) if p.grad is not None else float("inf")
         for p, r in zip(model.parameters(), reference.parameters())
     )
+
+    # After a sharded call (a prefill), one shorter than sp_size (a decoding step against the cache it
+    # returned): it cannot be split, so its graph runs whole on every rank, values and gradients as in eager.
+    torch.manual_seed(0)
+    model = _Decoder()
+    reference = copy.deepcopy(model)
+    compiled = autosp.compile(model, backend="aot_eager")
+    _, cache = compiled(_ids(2, 32))
+    short = _ids(2, world - 1, seed=1)
+
+    def step() -> torch.Tensor:
+        loss, _ = compiled(short, cache)
+        loss.backward()
+        return loss
+
+    out["shorter_than_sp"] = attempt(step)
+    ref_loss, _ = reference(short, reference(_ids(2, 32))[1])
+    ref_loss.backward()
+    out["shorter_than_sp_reference"] = float(ref_loss)
+    out["shorter_than_sp_grad"] = max(
+        float((p.grad - r.grad).abs().max()) if p.grad is not None else float("inf")
+        for p, r in zip(model.parameters(), reference.parameters())
+    )
+    out["shorter_than_sp_notes"] = compiled.autosp_reports[-1].notes
 
     # A call under a TorchDispatchMode (FlopCounterMode): Dynamo would run it in eager and skip the
     # forward's code from then on. Refused before Dynamo sees it, the next call compiles as usual.

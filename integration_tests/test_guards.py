@@ -151,6 +151,17 @@ def test_compiled_inside_a_checkpoint_recomputes_as_in_eager(faults):
         assert r["checkpointed_grad"] < 1e-5, r["checkpointed_grad"]
 
 
+def test_a_call_shorter_than_sp_size_runs_whole_as_in_eager(faults):
+    # A decoding step after sharded calls: refused before, with advice (padding) that would change it.
+    for r in faults:
+        assert r["shorter_than_sp"]["error"] is None, r["shorter_than_sp"]
+        assert r["shorter_than_sp"]["loss"] == pytest.approx(r["shorter_than_sp_reference"], rel=1e-6)
+        assert r["shorter_than_sp_grad"] < 1e-5, r["shorter_than_sp_grad"]
+        assert any("shorter than sp_size=2" in n and "runs whole" in n for n in r["shorter_than_sp_notes"]), r[
+            "shorter_than_sp_notes"
+        ]
+
+
 def test_a_call_under_a_dispatch_mode_is_refused_and_leaves_later_calls_compiled(faults):
     for r in faults:
         _error(r["under_mode"], "EagerFallback", r"TorchDispatchMode \(\w*FlopCounterMode\)", r"outside the mode")

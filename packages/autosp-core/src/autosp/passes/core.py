@@ -207,6 +207,16 @@ def _settle_sequence(ctx: CompileContext, lengths: list, written_out: list[Eager
         seq = _longest(ctx, lengths)
     if isinstance(seq, int) and seq == 0:
         raise AutoSPError("sequence length 0: there is nothing to split over the SP ranks; skip empty batches")
+    if isinstance(seq, int) and seq < ctx.world:
+        # Fewer tokens than ranks (a decoding step against a KV cache, a one-token probe): no split is
+        # possible, and running whole costs nothing a split would save. Padding, the advice for a
+        # length that is merely not divisible, would change what a decoding step computes.
+        ctx.sites.clear()
+        ctx.report.notes.append(
+            f"sequence length {seq} is shorter than sp_size={ctx.world} (a decoding step?): this graph runs "
+            "whole on every rank (exact; nothing to split)"
+        )
+        return
     if seq % ctx.world:
         raise AutoSPError(_not_divisible(ctx, seq))
     _drop_sites_not_rewritten(ctx)
