@@ -42,7 +42,10 @@ PY
 stage "built"
 venv=$work/venv
 python3 -m venv "$venv"
-# No byte-compiling of the packages at install (torch has thousands of modules): this venv imports few.
+# No byte-compiling of the packages at install (torch has thousands of modules): this venv imports few,
+# and the first process to import a module writes its bytecode for the next: every check below imports
+# torch._dynamo, which with PYTHONDONTWRITEBYTECODE set each compiled anew (the script: 143 s, 109 s without).
+unset PYTHONDONTWRITEBYTECODE
 pip=(quiet "$venv/bin/python" -m pip install -q --no-compile)
 "${pip[@]}" torch==2.13.0 pluggy  # the CPU torch wheel on this machine's disk (see ENVIRONMENT.md)
 # --no-index: the members' own dependency ranges must resolve to the wheels just built.

@@ -10,7 +10,8 @@ import pytest
 from autosp_tools.bench import run
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-# Eager methods only, so nothing compiles: the run stays well under a minute.
+# Eager methods only, so nothing compiles; the search needs no length the sweep did not run (eager
+# fits 16 tokens and not 32 in the budget, Ulysses fits both and is capped): four attempts in all.
 TINY = [
     "--quick",
     "--methods",
@@ -24,9 +25,9 @@ TINY = [
     "--steps",
     "1",
     "--search-max",
-    "64",
+    "32",
     "--mem-budget-mb",
-    "0.5",
+    "0.3",
     "--no-progress",
 ]
 
@@ -57,6 +58,10 @@ def test_results_json(out: Path) -> None:
         assert ulysses["summary"]["loss"] == pytest.approx(results["reference_loss"][n], rel=1e-5)
     for name in ("eager", "ulysses"):
         assert set(results["longest"][name]) == {"seq_len", "capped", "attempts"}
+    # The search reads the sweep's runs: eager's longest is 16, Ulysses' the cap.
+    longest = {name: (r["seq_len"], r["capped"]) for name, r in results["longest"].items()}
+    assert longest == {"eager": (16, False), "ulysses": (32, True)}, longest
+    assert len(results["runs"]) == 4
 
 
 def test_results_md_table(out: Path) -> None:
