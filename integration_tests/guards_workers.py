@@ -131,8 +131,9 @@ class _FusedQKV(torch.nn.Module):
 class _Decoder(torch.nn.Module):
     """One attention layer that returns its keys and values as a cache and attends over a cache passed in."""
 
-    def __init__(self) -> None:
+    def __init__(self, graph_break: bool = False) -> None:
         super().__init__()
+        self.graph_break = graph_break
         self.embed = torch.nn.Embedding(96, 16)
         self.qkv = torch.nn.Linear(16, 48)
         self.out = torch.nn.Linear(16, 16)
@@ -142,8 +143,10 @@ class _Decoder(torch.nn.Module):
         q, k, v = self.qkv(self.embed(ids)).view(b, s, 3, 2, 8).permute(2, 0, 3, 1, 4)
         if cache is not None:  # every cached position precedes the new tokens
             k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)
-        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=cache is None)
-        return self.out(o.transpose(1, 2).flatten(2)).square().mean(), torch.stack([k, v]).detach()
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=cache is None).transpose(1, 2)
+        if self.graph_break:  # the head in a graph of its own, its hidden size the prefill's length (16)
+            torch._dynamo.graph_break()
+        return self.out(o.flatten(2)).square().mean(), torch.stack([k, v]).detach()
 
 
 def attempt(fn: Callable[[], Any]) -> dict[str, Any]:
@@ -241,27 +244,31 @@ def input_faults(rank: int, world: int) -> dict[str, Any]:
 
     # After a sharded call (a prefill), one shorter than sp_size (a decoding step against the cache it
     # returned): it cannot be split, so its graph runs whole on every rank, values and gradients as in eager.
-    torch.manual_seed(0)
-    model = _Decoder()
-    reference = copy.deepcopy(model)
-    compiled = autosp.compile(model, backend="aot_eager")
-    _, cache = compiled(_ids(2, 32))
-    short = _ids(2, world - 1, seed=1)
+    # With a graph break before the head, the head's graph runs whole too, not sharded by the prefill's length.
+    for graph_break in (False, True):
+        torch.manual_seed(0)
+        model = _Decoder(graph_break)
+        reference = copy.deepcopy(model)
+        compiled = autosp.compile(model, backend="aot_eager")
+        _, cache = compiled(_ids(2, 16))
+        prefill = len(compiled.autosp_reports)
+        short = _ids(2, world - 1, seed=1)
 
-    def step() -> torch.Tensor:
-        loss, _ = compiled(short, cache)
-        loss.backward()
-        return loss
+        def step(compiled: Any = compiled, cache: torch.Tensor = cache, short: torch.Tensor = short) -> torch.Tensor:
+            loss, _ = compiled(short, cache)
+            loss.backward()
+            return loss
 
-    out["shorter_than_sp"] = attempt(step)
-    ref_loss, _ = reference(short, reference(_ids(2, 32))[1])
-    ref_loss.backward()
-    out["shorter_than_sp_reference"] = float(ref_loss)
-    out["shorter_than_sp_grad"] = max(
-        float((p.grad - r.grad).abs().max()) if p.grad is not None else float("inf")
-        for p, r in zip(model.parameters(), reference.parameters())
-    )
-    out["shorter_than_sp_notes"] = compiled.autosp_reports[-1].notes
+        key = "shorter_than_sp" + ("_break" if graph_break else "")
+        out[key] = attempt(step)
+        ref_loss, _ = reference(short, reference(_ids(2, 16))[1])
+        ref_loss.backward()
+        out[f"{key}_reference"] = float(ref_loss)
+        out[f"{key}_grad"] = max(
+            float((p.grad - r.grad).abs().max()) if p.grad is not None else float("inf")
+            for p, r in zip(model.parameters(), reference.parameters())
+        )
+        out[f"{key}_reports"] = [(r.seq_len, r.notes) for r in compiled.autosp_reports[prefill:]]
 
     # A call under a TorchDispatchMode (FlopCounterMode): Dynamo would run it in eager and skip the
     # forward's code from then on. Refused before Dynamo sees it, the next call compiles as usual.

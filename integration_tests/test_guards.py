@@ -151,15 +151,20 @@ def test_compiled_inside_a_checkpoint_recomputes_as_in_eager(faults):
         assert r["checkpointed_grad"] < 1e-5, r["checkpointed_grad"]
 
 
-def test_a_call_shorter_than_sp_size_runs_whole_as_in_eager(faults):
-    # A decoding step after sharded calls: refused before, with advice (padding) that would change it.
+@pytest.mark.parametrize("key", ["shorter_than_sp", "shorter_than_sp_break"])
+def test_a_call_shorter_than_sp_size_runs_whole_as_in_eager(faults, key):
+    # A decoding step after a sharded prefill: refused before, with advice (padding) that would change it.
     for r in faults:
-        assert r["shorter_than_sp"]["error"] is None, r["shorter_than_sp"]
-        assert r["shorter_than_sp"]["loss"] == pytest.approx(r["shorter_than_sp_reference"], rel=1e-6)
-        assert r["shorter_than_sp_grad"] < 1e-5, r["shorter_than_sp_grad"]
-        assert any("shorter than sp_size=2" in n and "runs whole" in n for n in r["shorter_than_sp_notes"]), r[
-            "shorter_than_sp_notes"
-        ]
+        assert r[key]["error"] is None, r[key]
+        assert r[key]["loss"] == pytest.approx(r[f"{key}_reference"], rel=1e-6)
+        assert r[f"{key}_grad"] < 1e-5, r[f"{key}_grad"]
+        (attention, notes), *after = r[f"{key}_reports"]
+        assert attention is None and any("shorter than sp_size=2" in n and "runs whole" in n for n in notes), notes
+        assert not any(n.startswith("cross-attention") for n in notes), notes
+        # The head after the break: whole as well, where the prefill's length (16, its hidden size) sharded it.
+        assert len(after) == (key == "shorter_than_sp_break"), after
+        for seq, notes in after:
+            assert seq is None and any("ran whole, or there was none" in n for n in notes), notes
 
 
 def test_a_call_under_a_dispatch_mode_is_refused_and_leaves_later_calls_compiled(faults):

@@ -203,8 +203,10 @@ def compile_graph(
         refuse_dtensor_inputs(example_inputs)
     ctx = make_context(gm, example_inputs, options, registry, group, world)
     # Graphs of one program compile in the order they first run: a piece after a graph break
-    # learns the sequence length from the piece with attention before it.
-    ctx.known_seq_len = next((r.seq_len for r in reversed(reports or []) if r.seq_len is not None), None)
+    # learns the sequence length from the last piece with attention before it, and runs whole where
+    # that one did (a decoding step's head must not shard by the length of the prefill before it).
+    last = next((r for r in reversed(reports or []) if r.sites or r.seq_len is not None), None)
+    ctx.known_seq_len = last.seq_len if last is not None else None
     manager = PassManager(list(registry.passes.values()), options.disable_passes)
     ctx.report.passes = manager.records
     if reports is not None:

@@ -190,7 +190,11 @@ def _settle_sequence(ctx: CompileContext, lengths: list, written_out: list[Eager
         known = ctx.known_seq_len
         static = all(isinstance(d, int) for x in ctx.fake_inputs if isinstance(x, torch.Tensor) for d in x.shape)
         if known is None or not static:
-            why = "no earlier graph had attention" if known is None else "its input sizes are symbolic"
+            why = (
+                "the last graph with attention before it ran whole, or there was none"
+                if known is None
+                else "its input sizes are symbolic"
+            )
             ctx.report.notes.append(
                 f"no attention in this graph and {why}: it runs whole on every rank (exact; no sequence "
                 "parallelism or memory saving for it)"
@@ -212,6 +216,8 @@ def _settle_sequence(ctx: CompileContext, lengths: list, written_out: list[Eager
         # possible, and running whole costs nothing a split would save. Padding, the advice for a
         # length that is merely not divisible, would change what a decoding step computes.
         ctx.sites.clear()
+        # The cross-attention note above (queries sharded) does not hold for a graph that runs whole.
+        ctx.report.notes = [n for n in ctx.report.notes if not n.startswith("cross-attention ")]
         ctx.report.notes.append(
             f"sequence length {seq} is shorter than sp_size={ctx.world} (a decoding step?): this graph runs "
             "whole on every rank (exact; nothing to split)"
