@@ -216,7 +216,7 @@ def _settle_sequence(ctx: CompileContext, lengths: list, written_out: list[Eager
         # possible, and running whole costs nothing a split would save. Padding, the advice for a
         # length that is merely not divisible, would change what a decoding step computes.
         ctx.sites.clear()
-        # The cross-attention note above (queries sharded) does not hold for a graph that runs whole.
+        # `lower` noted cross-attention sites as queries sharded: not so in a graph that runs whole.
         ctx.report.notes = [n for n in ctx.report.notes if not n.startswith("cross-attention ")]
         ctx.report.notes.append(
             f"sequence length {seq} is shorter than sp_size={ctx.world} (a decoding step?): this graph runs "
