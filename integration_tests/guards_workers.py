@@ -149,6 +149,14 @@ class _Decoder(torch.nn.Module):
         return self.out(o.flatten(2)).square().mean(), torch.stack([k, v]).detach()
 
 
+def _grad_error(model: torch.nn.Module, reference: torch.nn.Module) -> float:
+    """The largest gradient difference between two copies of a model (inf where one got no gradient)."""
+    return max(
+        float((p.grad - r.grad).abs().max()) if p.grad is not None else float("inf")
+        for p, r in zip(model.parameters(), reference.parameters())
+    )
+
+
 def attempt(fn: Callable[[], Any]) -> dict[str, Any]:
     """Run ``fn``; the exception's type and text (or "ok") and the seconds it took."""
     start = time.perf_counter()
@@ -223,10 +231,7 @@ def input_faults(rank: int, world: int) -> dict[str, Any]:
     out["retain_graph"] = attempt(lambda: loss.backward(retain_graph=True) or loss.backward() or loss)
     ref_loss.backward(retain_graph=True)
     ref_loss.backward()
-    out["retain_graph_grad"] = max(
-        float((p.grad - r.grad).abs().max()) if p.grad is not None else float("inf")
-        for p, r in zip(model.parameters(), reference.parameters())
-    )
+    out["retain_graph_grad"] = _grad_error(model, reference)
 
     # The model compiled inside non-reentrant torch.utils.checkpoint (its first call under the
     # checkpoint's saved-tensor hooks), then recomputed in the backward: as in eager.
@@ -237,10 +242,7 @@ def input_faults(rank: int, world: int) -> dict[str, Any]:
         ).backward()
     )
     reference(_ids(2, 32), _ids(2, 32)).backward()
-    out["checkpointed_grad"] = max(
-        float((p.grad - r.grad).abs().max()) if p.grad is not None else float("inf")
-        for p, r in zip(model.parameters(), reference.parameters())
-    )
+    out["checkpointed_grad"] = _grad_error(model, reference)
 
     # After a sharded call (a prefill), one shorter than sp_size (a decoding step against the cache it
     # returned): it cannot be split, so its graph runs whole on every rank, values and gradients as in eager.
@@ -264,10 +266,7 @@ def input_faults(rank: int, world: int) -> dict[str, Any]:
         ref_loss, _ = reference(short, reference(_ids(2, 16))[1])
         ref_loss.backward()
         out[f"{key}_reference"] = float(ref_loss)
-        out[f"{key}_grad"] = max(
-            float((p.grad - r.grad).abs().max()) if p.grad is not None else float("inf")
-            for p, r in zip(model.parameters(), reference.parameters())
-        )
+        out[f"{key}_grad"] = _grad_error(model, reference)
         out[f"{key}_reports"] = [(r.seq_len, r.notes) for r in compiled.autosp_reports[prefill:]]
 
     # A call under a TorchDispatchMode (FlopCounterMode): Dynamo would run it in eager and skip the
