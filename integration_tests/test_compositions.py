@@ -90,6 +90,7 @@ def test_bad_compositions_fail_before_starting(flags: list[str], message: str) -
         run(TINY + flags)
 
 
+@pytest.mark.extended(covered_by="test_dp2_sp2_matches_one_process")
 def test_autosp_compile_of_a_ddp_model_is_traced_whole() -> None:
     """Dynamo's DDPOptimizer would cut the graph at DDP's buckets (here several) and feed DDP's
     reducer a fake gradient; autosp.compile traces the DDP model whole, and the backend used

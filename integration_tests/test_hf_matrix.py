@@ -105,6 +105,7 @@ def test_more_architectures(pool: SPMDPool, row: Row) -> None:
     assert out.kind == "exact" and MORE_ROWS[row] in out.detail, f"{row.label()}: {out.cell()}"
 
 
+@pytest.mark.extended(covered_by="integration_tests/test_fuzz.py::test_check_catches_a_missing_gradient_all_reduce")
 def test_a_missing_gradient_all_reduce_is_caught(pool: SPMDPool) -> None:
     # Without the gradient all-reduce each rank holds only its tokens' share: the end-to-end check must see it.
     out = check_row(pool, Row("BERT classifier", "ulysses"), timeout_s=600.0, disable_passes=("autosp.sync_grads",))

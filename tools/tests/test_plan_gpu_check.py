@@ -18,6 +18,8 @@ def test_without_a_gpu_it_fails_clearly_and_still_writes_json(tmp_path):
     assert env["ok"] is False and "no CUDA device" in env["error"]
 
 
+# Its stages' measurements each have a first-tier test: the plan's (test_plan.py) and SAC's (test_sac.py).
+@pytest.mark.extended(covered_by="packages/autosp-sac/tests/test_sac.py::test_sac_on_saves_near_the_floor")
 def test_cpu_quick_stages(tmp_path):
     """SAC keeps attention saved (no attention forward in the backward), and the plan agrees with
     rank 0 of sp=8 run for real in this process under a fake group."""
@@ -68,7 +70,7 @@ def test_a_failing_stage_is_recorded_and_the_others_run(tmp_path):
     assert data["fine"] == {"ok": True, "result": {"x": 1}, "seconds": data["fine"]["seconds"]}
 
 
-@pytest.mark.extended(covered_by="test_cpu_quick_stages")
+@pytest.mark.extended(covered_by="packages/autosp-sac/tests/test_sac.py::test_sac_on_saves_near_the_floor")
 def test_overlap_trace_stage_reports_exchanges_and_writes_traces(tmp_path):
     out = tmp_path / "check.json"
     rc = gpu_check.main(["--device", "cpu", "--quick", "--out", str(out), "--stages", "overlap_trace"])
@@ -81,7 +83,7 @@ def test_overlap_trace_stage_reports_exchanges_and_writes_traces(tmp_path):
     assert all((tmp_path / "overlap_traces" / name).stat().st_size > 0 for name in stage["result"]["traces"])
 
 
-@pytest.mark.extended(covered_by="test_cpu_quick_stages")
+@pytest.mark.extended(covered_by="packages/autosp-sac/tests/test_sac.py::test_sac_on_saves_near_the_floor")
 def test_flex_stage_runs_forward_on_the_cpu(tmp_path):
     # On CUDA the stage checks every gradient too; here it keeps the model, the block mask and the
     # compile working (torch has no FlexAttention backward on CPU).

@@ -16,6 +16,9 @@ import autosp
 from autosp.testing.models import Config, LlamaLike
 from autosp.tiled_mlp import ACTIVATIONS, tiled_mlp, tiled_mlp_backward
 
+# CI compiles tiled MLPs under Inductor at sp=2, with SAC, there.
+INDUCTOR_IN_CI = "integration_tests/test_tile_mlp.py::test_two_ranks_ulysses_ring_sac_and_inductor"
+
 V, D, FF = 96, 16, 40
 
 
@@ -143,7 +146,9 @@ def _exact(make, **options) -> list[str]:
     return notes
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize(
+    "backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.extended(covered_by=INDUCTOR_IN_CI))]
+)
 def test_llama_mlps_are_tiled_and_exact(backend: str) -> None:
     notes = _exact(lambda: LlamaLike(Config(layers=2)), backend=backend, tile_mlp=32)
     tiled = [n for n in notes if "tiled the gated silu MLP" in n]
