@@ -758,3 +758,24 @@ def failed_rank_leaves(rank: int, world: int) -> dict[str, Any]:
 
     time.sleep(0.5)
     return {"after": attempt(collective)}
+
+
+def calls_alone(rank: int, world: int, timeout: float, warn_after: float) -> dict[str, Any]:
+    """Rank 0 calls the compiled model once more on its own (evaluation on rank 0 only), rank 1 is busy."""
+    import warnings
+
+    from autosp import peer_failure
+
+    peer_failure.WAIT_WARN_S = warn_after
+    compiled = autosp.compile(_llama(), backend="eager", timeout=timeout)
+    compiled(_ids(2, 32), _ids(2, 32))  # both ranks: one call each, in step
+    out: dict[str, Any] = {}
+    if rank == 0:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            with torch.no_grad():
+                out["alone"] = attempt(lambda: compiled(_ids(2, 32), _ids(2, 32)))
+        out["late"] = [str(w.message) for w in seen if issubclass(w.category, peer_failure.PeersLate)]
+    else:
+        time.sleep(timeout + 3)  # busy elsewhere until rank 0 has given up
+    return out

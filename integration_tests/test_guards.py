@@ -479,3 +479,25 @@ def test_a_failed_rank_that_left_is_named_with_its_error():
         r"Connection closed by peer",
         re.escape("it raised an error (global rank 1: IndexError: index out of range in self), exited or hangs"),
     )
+
+
+def test_a_rank_calling_alone_hears_which_peer_has_not_called_then_fails_at_the_timeout():
+    # Evaluation on rank 0 only, with the compiled model: rank 0 waits in the input check for a peer
+    # that never comes. Before the group's timeout a warning names the peer and the calls each began.
+    timeout, warn_after = 6.0, 1.0
+    r0, _ = run_spmd(guards_workers.calls_alone, 2, timeout, warn_after, fresh=True)
+    not_begun = (
+        "Global rank(s) 1 have not begun this call (calls of the compiled program begun so far: global rank 1 1, "
+    )
+    not_begun += "this rank 2)."
+    (late,) = r0["late"]
+    assert "global rank 0 has waited " in late and "for the other ranks of its group (global ranks [0, 1])" in late
+    assert not_begun in late and "call the uncompiled model there" in late, late
+    assert "this rank fails at the group's timeout (6 s)" in late, late
+    msg = _error(
+        r0["alone"],
+        "CollectiveFailure",
+        r"the input check \(the first collective of every call\) did not complete",
+        re.escape(not_begun),
+    )
+    assert timeout <= r0["alone"]["seconds"] < timeout + FAST_S, (r0["alone"]["seconds"], msg)

@@ -30,7 +30,7 @@ from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-from autosp import peer_failure
+from autosp import arrivals, peer_failure
 from autosp.errors import AutoSPError, CollectiveFailure
 from autosp.input_check import (
     GradientMismatchError,
@@ -104,11 +104,13 @@ def comm_failure_message(where: str, group: Any, e: BaseException) -> str:
     within = f"the group's timeout ({timeout.total_seconds():g} s)" if timeout else "the group's timeout"
     note = peer_failure.peer_note(group)
     cause = f" (global rank {note[0]}: {note[1]})" if note else ""
+    late = arrivals.behind(group)
+    never = f" {arrivals.not_begun(late)}" if late else ""
     return (
         f"global rank {dist.get_rank()}: {where} did not complete ({first}). Another rank of the SP group "
         f"(global ranks {ranks}) did not take part within {within}: it raised an error{cause}, exited or hangs, "
-        "and its own log holds the first error. Every rank of the SP group must call the compiled model, with the "
-        "same inputs, at every step (autosp.compile(timeout=...) sets how long the others wait)."
+        f"and its own log holds the first error.{never} Every rank of the SP group must call the compiled model, with "
+        "the same inputs, at every step (autosp.compile(timeout=...) sets how long the others wait)."
     )
 
 
@@ -283,6 +285,7 @@ class GuardedCall:
 
     @torch.compiler.disable(reason=_torchdynamo_disable_msg)  # type: ignore[untyped-decorator]
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        arrivals.arrive()  # first: a rank that refuses below has still begun the call its peers wait in
         refuse_dispatch_modes()
         leaves = flatten_inputs(args, kwargs, self.signature)
         if self.check is not None:

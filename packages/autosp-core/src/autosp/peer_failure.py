@@ -17,6 +17,9 @@ long (saving a checkpoint, a caught error) without its peers learning why.
   collective still waiting. A wait that completes within its first slice costs nothing more; a
   longer one reads one key of the store per slice (how many notes were ever written) until there
   is a note.
+* A wait that outlasts ``WAIT_WARN_S`` with no note warns once (``PeersLate``), naming the peers
+  that have not begun the call this rank is in (``autosp.arrivals``): a rank that evaluates alone
+  with the compiled model, its peers busy elsewhere, otherwise waits silently until the timeout.
 * A note counts unless this rank failed itself after the same number of collectives: ranks that
   raised at the same point (a bad batch on every rank, caught and skipped on every rank) are
   still in step, and their notes are stale. A rank whose collective completes again is back in
@@ -39,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
+import warnings
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -46,6 +50,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from autosp import arrivals
 from autosp.errors import CollectiveFailure, PeerFailed
 
 # gloo's words for a peer that is gone or late; "pair closure" is what a group says on every later
@@ -60,6 +65,9 @@ _COMM_FAILURES = (
 )
 POLL = timedelta(milliseconds=100)
 GRACE_S = 2.0  # how long a note must stand, the collective still waiting, before it counts
+# A first compile or a checkpoint saved on one rank can keep the others waiting for a minute; far
+# longer than a step, and the user should hear why before the group's timeout (30 minutes in gloo).
+WAIT_WARN_S = 120.0
 _POLL_TIMED_OUT = "Operation timed out!"  # c10d's Work.wait(timeout) when the slice ends first
 _WRITTEN = "autosp/failed/count"  # notes ever written: a waiting rank reads one key until there is one
 
@@ -75,15 +83,15 @@ def is_comm_failure(e: BaseException) -> bool:
     return isinstance(e, RuntimeError) and any(s in str(e) for s in _COMM_FAILURES)
 
 
+class PeersLate(UserWarning):
+    """A rank has waited long in a collective of AutoSP's program for peers that have not joined it."""
+
+
 def _key(rank: int) -> str:
     return f"autosp/failed/{rank}"
 
 
-def _store() -> Any:
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except Exception:  # no default group (a group of another world), or torch changed: no notes
-        return None
+_store = arrivals.default_store
 
 
 def _polls(group: Any, device: torch.device) -> bool:
@@ -113,6 +121,7 @@ def wait(work: Any, group: Any, device: torch.device) -> None:
 
 def _wait_polling(work: Any, group: Any) -> None:
     noticed: float | None = None
+    started, warned = time.monotonic(), False
     while True:
         try:
             work.wait(POLL)
@@ -125,6 +134,9 @@ def _wait_polling(work: Any, group: Any) -> None:
         failure = peer_note(group)
         if failure is None:
             noticed = None
+            if not warned and time.monotonic() - started >= WAIT_WARN_S:
+                warned = True
+                warnings.warn(late_message(group, time.monotonic() - started), PeersLate, stacklevel=2)
             continue
         # A rank that raised and goes on (its error caught) takes a moment to come back; one that
         # does not leaves its note in place.
@@ -145,6 +157,36 @@ def _wait_polling(work: Any, group: Any) -> None:
                 "failed rank's log holds its whole error; the SP group cannot be used after it: end the job on "
                 "every rank, or fix the input that raised there."
             )
+
+
+def late_message(group: Any, waited_s: float) -> str:
+    """Why this rank, in a collective of ``group`` for ``waited_s``, still waits: which peers have not begun its call."""
+    from autosp.options import group_timeout  # options imports input_check, which imports this module
+
+    timeout = group_timeout(group)
+    until = f"the group's timeout ({timeout.total_seconds():g} s)" if timeout else "the group's timeout"
+    head = (
+        f"global rank {dist.get_rank()} has waited {waited_s:.0f} s in a collective of AutoSP's compiled program "
+        f"for the other ranks of its group (global ranks {dist.get_process_group_ranks(group)}). "
+    )
+    late = arrivals.behind(group)
+    if late is None:
+        return head + (
+            "One of them is slow inside the call (compiling a new graph, a long step), busy elsewhere, or will not "
+            f"call the compiled model at this step: then this rank fails at {until}. Every rank of the SP group must "
+            "call it at every step."
+        )
+    if not late:
+        return head + (
+            "Each of them has begun this call too: one is slow inside it (compiling a new graph, a long step) or "
+            f"waits in a collective of its own on this group. It fails at {until} if that one never comes."
+        )
+    return head + (
+        f"{arrivals.not_begun(late)} Every rank of the SP "
+        "group must call the compiled model at every step: if they are busy elsewhere (saving a checkpoint, "
+        f"loading data), this wait ends when they call; if they will not call it, this rank fails at {until}. "
+        "Where only some ranks run the model (evaluation or logging on rank 0), call the uncompiled model there."
+    )
 
 
 def peer_note(group: Any) -> tuple[int, str, int] | None:
@@ -301,12 +343,15 @@ def _tensors(out: Any) -> list[torch.Tensor]:
 
 __all__ = [
     "POLL",
+    "WAIT_WARN_S",
     "PeerFailed",
+    "PeersLate",
     "announce",
     "announce_backward_of",
     "announcing",
     "counting_error",
     "is_comm_failure",
+    "late_message",
     "note_of",
     "peer_note",
     "wait",
