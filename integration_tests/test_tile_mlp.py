@@ -45,12 +45,18 @@ def test_two_ranks_ulysses_ring_sac_and_inductor():
     _check(
         2,
         [
-            ("llama", "aot_eager", "ulysses", {"tile_mlp": 16}),
             ("llama", "aot_eager", "ulysses", {"tile_mlp": 16, "sac": True}),
             ("llama", "inductor", "ulysses", {"tile_mlp": 16, "sac": True}),
             ("gpt2", "aot_eager", "ring", {"tile_mlp": 16}),
-            ("hf-llama", "aot_eager", "ulysses", {"tile_mlp": 16}),
         ],
+    )
+
+
+@pytest.mark.extended(covered_by="test_two_ranks_ulysses_ring_sac_and_inductor")
+def test_two_ranks_without_sac_and_hf():
+    _check(
+        2,
+        [("llama", "aot_eager", "ulysses", {"tile_mlp": 16}), ("hf-llama", "aot_eager", "ulysses", {"tile_mlp": 16})],
     )
 
 
