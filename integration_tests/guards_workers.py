@@ -10,6 +10,7 @@ import copy
 import random
 import time
 import types
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 import autosp
+from autosp import peer_failure
 from autosp.testing.models import Config, LlamaLike
 
 
@@ -742,7 +744,6 @@ def _stay_until_all_failed(key: str, world: int) -> None:
 def failed_rank_leaves(rank: int, world: int) -> dict[str, Any]:
     """Rank 1 announces an error of its program and leaves the group at once: rank 0's next
     collective fails on the closed connection, and its message names rank 1's error."""
-    from autosp import peer_failure
     from autosp.guards import naming_comm_failures
 
     group, x = dist.group.WORLD, torch.ones(3)
@@ -762,9 +763,6 @@ def failed_rank_leaves(rank: int, world: int) -> dict[str, Any]:
 
 def calls_alone(rank: int, world: int, timeout: float, warn_after: float) -> dict[str, Any]:
     """Rank 0 calls the compiled model once more on its own (evaluation on rank 0 only), rank 1 is busy."""
-    import warnings
-
-    from autosp import peer_failure
 
     peer_failure.WAIT_WARN_S = warn_after
     compiled = autosp.compile(_llama(), backend="eager", timeout=timeout)

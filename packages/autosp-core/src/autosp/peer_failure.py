@@ -179,13 +179,13 @@ def late_message(group: Any, waited_s: float) -> str:
     if not late:
         return head + (
             "Each of them has begun this call too: one is slow inside it (compiling a new graph, a long step) or "
-            f"waits in a collective of its own on this group. It fails at {until} if that one never comes."
+            f"waits in a collective of its own on this group. This rank fails at {until} if it never comes."
         )
     return head + (
-        f"{arrivals.not_begun(late)} Every rank of the SP "
-        "group must call the compiled model at every step: if they are busy elsewhere (saving a checkpoint, "
-        f"loading data), this wait ends when they call; if they will not call it, this rank fails at {until}. "
-        "Where only some ranks run the model (evaluation or logging on rank 0), call the uncompiled model there."
+        f"{arrivals.not_begun(late)} Every rank of the SP group must call the compiled model at every step: if "
+        "they are busy elsewhere (saving a checkpoint, loading data), this wait ends when they call; if they will "
+        f"not call it, this rank fails at {until}. Where only some ranks run the model (evaluation or logging on "
+        "rank 0), call the uncompiled model there."
     )
 
 
