@@ -44,7 +44,7 @@ from autosp.input_check import (
     signature_of,
     tensor_meta,
 )
-from autosp.options import group_timeout
+from autosp.options import timeout_phrase
 from autosp.peer_failure import is_comm_failure
 from autosp.sharded_outputs import SHARDED_ACROSS_BREAK
 from autosp.weak_group import WeakGroup
@@ -100,8 +100,7 @@ def not_sharded_message(world: int, reports: Sequence[Any]) -> str:
 def comm_failure_message(where: str, group: Any, e: BaseException) -> str:
     ranks = dist.get_process_group_ranks(group)
     first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-    timeout = group_timeout(group)
-    within = f"the group's timeout ({timeout.total_seconds():g} s)" if timeout else "the group's timeout"
+    within = timeout_phrase(group)
     note = peer_failure.peer_note(group)
     cause = f" (global rank {note[0]}: {note[1]})" if note else ""
     late = arrivals.behind(group)

@@ -205,4 +205,10 @@ def group_timeout(group: Any) -> timedelta | None:
         return None
 
 
-__all__ = ["BACKENDS", "Backend", "SPOptions", "compile_sync_group", "group_timeout", "resolve_group"]
+def timeout_phrase(group: Any) -> str:
+    """ "the group's timeout", with its seconds where the group says them, for messages about a wait."""
+    timeout = group_timeout(group)
+    return f"the group's timeout ({timeout.total_seconds():g} s)" if timeout else "the group's timeout"
+
+
+__all__ = ["BACKENDS", "Backend", "SPOptions", "compile_sync_group", "group_timeout", "resolve_group", "timeout_phrase"]

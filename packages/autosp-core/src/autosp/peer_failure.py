@@ -161,10 +161,9 @@ def _wait_polling(work: Any, group: Any) -> None:
 
 def late_message(group: Any, waited_s: float) -> str:
     """Why this rank, in a collective of ``group`` for ``waited_s``, still waits: which peers have not begun its call."""
-    from autosp.options import group_timeout  # options imports input_check, which imports this module
+    from autosp.options import timeout_phrase  # options imports input_check, which imports this module
 
-    timeout = group_timeout(group)
-    until = f"the group's timeout ({timeout.total_seconds():g} s)" if timeout else "the group's timeout"
+    until = timeout_phrase(group)
     head = (
         f"global rank {dist.get_rank()} has waited {waited_s:.0f} s in a collective of AutoSP's compiled program "
         f"for the other ranks of its group (global ranks {dist.get_process_group_ranks(group)}). "
