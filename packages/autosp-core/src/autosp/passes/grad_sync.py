@@ -3,10 +3,19 @@
 Inputs are replicated, so their gradients are partial sums over ranks (see
 ``autosp.sharding.collectives``). One collective per parameter pays a round
 trip each (on gloo the latency, not the bytes, dominates small models), so the
-gradients are packed into buckets in the order the backward produces them. Each
-bucket's all-reduce is a functional collective issued as soon as its last
-gradient exists and waited on only before the graph returns, which lets the
-remaining backward run while the reduction is in flight.
+gradients are packed into buckets in about the order the backward produces them.
+Each bucket's all-reduce is a functional collective issued as soon as its last
+gradient exists (and the bucket before it was issued) and waited on only before
+the graph returns, which lets the remaining backward run while the reduction is
+in flight.
+
+Every rank must pack the same gradients into the same buckets and issue them in
+the same sequence, or an all-reduce would sum one parameter's gradient with
+another's. The joint graph is this rank's own, and its node order may differ
+between ranks (a rank that holds no piece of a value computes a zero instead),
+so the plan is made from the input slots alone, the same on every rank: the
+reverse of the input order (Dynamo lifts parameters as the forward first reads
+them, so the backward finishes them about last to first).
 """
 
 from __future__ import annotations
@@ -38,16 +47,16 @@ def _static_nbytes(val: Any) -> int | None:
     return numel * val.element_size() if isinstance(numel, int) else None
 
 
-def plan_buckets(grads: list[tuple[int, fx.Node]], order: dict[fx.Node, int], cap_bytes: int) -> list[Bucket]:
-    """Group gradients into buckets of one dtype, in production order.
+def plan_buckets(grads: list[tuple[int, fx.Node]], cap_bytes: int) -> list[Bucket]:
+    """Group gradients into buckets of one dtype, by descending output slot (see the module's doc).
 
     As DDP does, a bucket closes once it holds ``cap_bytes`` or more, so it is at most one
     gradient over the cap. A gradient of symbolic size gets a bucket of its own (it is
-    reduced without packing).
+    reduced without packing). The plan reads slots, dtypes and sizes only, never node order.
     """
     open_buckets: dict[tuple[torch.dtype, torch.device], Bucket] = {}
     buckets: list[Bucket] = []
-    for slot, node in sorted(grads, key=lambda g: order[g[1]]):
+    for slot, node in sorted(grads, key=lambda g: -g[0]):
         val = node.meta["val"]
         key = (val.dtype, val.device)
         size = _static_nbytes(val)
@@ -93,16 +102,23 @@ def sync_grads(gm: fx.GraphModule, ctx: CompileContext) -> None:
     c10d = torch.ops._c10d_functional
     g = gm.graph
     pending: list[tuple[Bucket, fx.Node]] = []
-    for bucket in plan_buckets(grads, order, cap):
-        # Right after the bucket's last gradient, so the reduction starts as early as it can.
+    # The previous bucket's all-reduce, and the position of the gradient it was placed after.
+    issued: tuple[fx.Node, int] | None = None
+    for bucket in plan_buckets(grads, cap):
+        # Right after the bucket's last gradient, so the reduction starts as early as it can, but
+        # never before the bucket planned before it: the sequence of collectives is the plan's.
         last = max((n for _, n in bucket.grads), key=order.__getitem__)
-        with g.inserting_before(last.next):
+        anchor, position = (last, order[last])
+        if issued is not None and issued[1] >= position:
+            anchor, position = issued
+        with g.inserting_before(anchor.next):
             if len(bucket.grads) == 1:
                 packed = bucket.grads[0][1]
             else:
                 flats = [_call(g, torch.ops.aten.reshape.default, (n, [-1]), fake_mode) for _, n in bucket.grads]
                 packed = _call(g, torch.ops.aten.cat.default, (flats,), fake_mode)
             reduced = _call(g, c10d.all_reduce.default, (packed, "sum", ctx.group_name), fake_mode)
+        issued = (reduced, position)
         pending.append((bucket, reduced))
         ctx.report.collectives["grad_all_reduce"] += 1
     with g.inserting_before(out):
