@@ -120,3 +120,34 @@ def test_a_rank_that_recompiles_the_same_program_stays_in_step_with_the_running_
     assert joined0 and not joined1
     assert got0 == got1 == ["4.0", "4.0", "in step"]
     assert len(issued0) == len(issued1) == 3, (issued0, issued1)  # agreement or run exchange, a run exchange, ours
+
+
+def test_the_program_text_covers_subgraphs() -> None:
+    """A constant that differs inside a checkpointed layer (a higher-order op's body) parts the programs."""
+    import torch.utils.checkpoint
+
+    from autosp.compile_agreement import program_text
+    from autosp.options import SPOptions
+
+    def graph_of(scale: float) -> torch.fx.GraphModule:
+        graphs = []
+
+        def backend(gm, example_inputs):
+            graphs.append(gm)
+            return gm
+
+        def layer(x):
+            return torch.tanh(x) * scale
+
+        def fn(x):
+            return torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False).sum()
+
+        torch._dynamo.reset()
+        torch.compile(fn, backend=backend, fullgraph=True)(torch.randn(3, requires_grad=True))
+        return graphs[0]
+
+    a, b = graph_of(2.0), graph_of(3.0)
+    assert a.code == b.code  # the top level alike: only the body holds the constant
+    x = torch.randn(3, requires_grad=True)
+    assert program_text(a, [x], SPOptions()) != program_text(b, [x], SPOptions())
+    assert program_text(a, [x], SPOptions()) == program_text(graph_of(2.0), [x], SPOptions())

@@ -70,7 +70,12 @@ def program_text(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], option
     opts = {f.name: getattr(options, f.name) for f in dataclasses.fields(options) if f.name not in _UNCOMPARED}
     # The inputs first: when they differ (torch.compile with autosp.backend checks them only inside the
     # graph, after Dynamo compiled), that is the first difference the message shows.
-    return _ADDRESS.sub("0x..", f"graph inputs: {inputs}\noptions: {opts!r}\n{gm.code}")
+    # Subgraphs too (checkpointed layers, a custom Function's forward and backward, Flex's score_mod):
+    # a constant that differs between ranks may sit in one of them only.
+    code = "\n".join(
+        f"# {name or 'graph'}\n{m.code}" for name, m in gm.named_modules() if isinstance(m, torch.fx.GraphModule)
+    )
+    return _ADDRESS.sub("0x..", f"graph inputs: {inputs}\noptions: {opts!r}\n{code}")
 
 
 def _first_line(e: BaseException) -> str:
