@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 VOCAB, DIM, HEADS, CLASSES = 64, 32, 4, 3
 HD = DIM // HEADS
@@ -964,10 +965,96 @@ class CustomFunction(LMBase):
         return self.lm_loss(x + self.attn(x), ids)
 
 
+class _ClipGrad(torch.autograd.Function):
+    """Identity forward; the backward clamps the gradient: not linear in it, so a rank's share of
+    the gradient clamped is not its share of the clamped gradient."""
+
+    @staticmethod
+    def forward(ctx, x, bound: float):
+        ctx.bound = bound
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.clamp(-ctx.bound, ctx.bound), None
+
+
+class _GatedLinear(torch.autograd.Function):
+    """A memory-saving SwiGLU written as a Function (Liger, Unsloth): parameters among its inputs,
+    the input and a product saved, two results, one of them marked non-differentiable."""
+
+    @staticmethod
+    def forward(ctx, x, w_gate, w_up):
+        gate, up = x @ w_gate.t(), x @ w_up.t()
+        act = F.silu(gate)
+        ctx.save_for_backward(x, w_gate, w_up, gate, up)
+        positive = (gate > 0).to(x.dtype)
+        ctx.mark_non_differentiable(positive)
+        return act * up, positive
+
+    @staticmethod
+    def backward(ctx, grad, _grad_positive):
+        x, w_gate, w_up, gate, up = ctx.saved_tensors
+        sig = torch.sigmoid(gate)
+        d_gate = grad * up * sig * (1 + gate * (1 - sig))
+        d_up = grad * gate * sig
+        dx = d_gate @ w_gate + d_up @ w_up
+        return dx, d_gate.flatten(0, -2).t() @ x.flatten(0, -2), d_up.flatten(0, -2).t() @ x.flatten(0, -2)
+
+
+class _Dropout(torch.autograd.Function):
+    """Dropout written as a Function: it draws its mask inside, and saves it for the backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        keep = (torch.rand_like(x) > 0.25).to(x.dtype) / 0.75
+        ctx.save_for_backward(keep)
+        return x * keep
+
+    @staticmethod
+    def backward(ctx, grad):
+        (keep,) = ctx.saved_tensors
+        return grad * keep
+
+
+class CustomFunctions(LMBase):
+    """Custom Functions in the graph: a clamped gradient before attention (its result feeds q/k/v), a
+    gated MLP with its own backward after it, a gradient reversal on a pooled vector; ``checkpointed``:
+    the layer under ``torch.utils.checkpoint`` (the Functions inside its higher-order op)."""
+
+    def __init__(self, checkpointed: bool = False, dropout: bool = False) -> None:
+        super().__init__()
+        self.checkpointed = checkpointed
+        self.dropout = dropout
+        self.w_gate = nn.Parameter(torch.randn(2 * DIM, DIM) * DIM**-0.5)
+        self.w_up = nn.Parameter(torch.randn(2 * DIM, DIM) * DIM**-0.5)
+        self.down = nn.Linear(2 * DIM, DIM)
+        self.cls = nn.Linear(DIM, CLASSES)
+
+    def layer(self, x):
+        x = x + self.attn(self.ln(_ClipGrad.apply(x, 2e-3)))
+        hidden, positive = _GatedLinear.apply(self.ln(x), self.w_gate, self.w_up)
+        if self.dropout:
+            hidden = _Dropout.apply(hidden)
+        return x + self.down(hidden * (1 + 0.1 * positive))
+
+    def forward(self, ids, y):
+        x = self.embed(ids)
+        if self.checkpointed:
+            x = torch.utils.checkpoint.checkpoint(self.layer, x, use_reentrant=False)
+        else:
+            x = self.layer(x)
+        pooled = _ScaleGrad.apply(x.mean(1))
+        return self.lm_loss(x, ids) + F.cross_entropy(self.cls(pooled), y)
+
+
 BUILDERS.update(
     {
         "custom-function": lambda s: CustomFunction(outside=False),
         "custom-function-disabled": lambda s: CustomFunction(outside=True),
+        "custom-functions": lambda s: CustomFunctions(),
+        "custom-functions-checkpointed": lambda s: CustomFunctions(checkpointed=True),
+        "custom-functions-dropout": lambda s: CustomFunctions(dropout=True),
     }
 )
 NAMES = list(BUILDERS)

@@ -164,18 +164,45 @@ def test_token_mixers_under_sac(pool: SPMDPool) -> None:
     _exact(pool.run(run_probes, MIXERS, "ulysses", "aot_eager", options, timeout_s=600), MIXERS, "sac")
 
 
-def test_custom_autograd_function_is_refused_or_exact_behind_a_graph_break(pool: SPMDPool) -> None:
-    # A custom autograd.Function (a gradient reversal here, BLOOM's gelu in HF) once crashed with
-    # functionalization's "NYI"; its backward is the user's, so it is refused, naming the line and
-    # the way out: @torch.compiler.disable around it, which must then be exact.
-    probes = [("custom-function", 16, 2), ("custom-function-disabled", 16, 2)]
+# Custom autograd.Functions: a gradient reversal; a clamped gradient (a backward not linear in the
+# gradient) feeding attention, a SwiGLU with its own backward, parameters among its inputs and a
+# non-differentiable result; the same layer under torch.utils.checkpoint; dropout drawn inside a Function;
+# and one behind a graph break.
+FUNCTIONS = [
+    ("custom-function", 16, 2),
+    ("custom-functions", 16, 2),
+    ("custom-functions-checkpointed", 16, 2),
+    ("custom-functions-dropout", 16, 2),
+]
+FUNCTION_DISABLED = ("custom-function-disabled", 16, 2)
+
+
+def _functions_exact(per_rank: list, probes: list, what: str) -> None:
+    for where, r in _exact(per_rank, probes, what):
+        assert r["sharded"] and all(r["sharded"]), f"{where}: {r['sharded']}"  # the rest stays sequence-parallel
+        if not where.startswith(str(FUNCTION_DISABLED)):
+            assert any("custom torch.autograd.Function runs whole" in f for f in r["fallbacks"]), where
+
+
+def test_custom_autograd_functions_run_whole_with_the_users_backward(pool: SPMDPool) -> None:
+    # Once a crash (functionalization's "NYI"), then refused: each Function now runs whole on every rank
+    # with the user's backward, handed the true gradient of its results (autosp.user_function).
+    probes = [*FUNCTIONS, FUNCTION_DISABLED]
     per_rank = pool.run(run_probes, probes, "ulysses", "aot_eager", {"fullgraph": False}, timeout_s=600)
-    for where, r in _exact(per_rank, probes[1:], "ulysses"):
-        assert r["sharded"] == [16, 16], f"{where}: {r['sharded']}"  # both graphs around the break are SP
+    _functions_exact(per_rank, probes, "ulysses")
     for results in per_rank:
-        error = results[probes[0]].get("error", "")
-        assert error.startswith("refused: AutoSPError: a custom torch.autograd.Function"), error
-        assert "probe_models.py" in error and "torch.compiler.disable" in error, error
+        assert results[FUNCTION_DISABLED]["sharded"] == [16, 16]  # both graphs around the break are SP
+    # SAC must not recompute a Function in the backward: the dropout's mask would be drawn anew.
+    probes = [("custom-functions-dropout", 16, 2)]
+    per_rank = pool.run(run_probes, probes, "ring", "aot_eager", {"sac": True}, timeout_s=600)
+    _functions_exact(per_rank, probes, "ring sac")
+
+
+@pytest.mark.parametrize(("variant", "backend"), [("ulysses", "inductor"), ("hybrid", "aot_eager")])
+@pytest.mark.extended(covered_by="test_custom_autograd_functions_run_whole_with_the_users_backward")
+def test_custom_autograd_functions_on_four_ranks(variant: str, backend: str) -> None:
+    per_rank = run_spmd(run_probes, 4, FUNCTIONS, variant, backend, {"sac": True})
+    _functions_exact(per_rank, FUNCTIONS, f"{variant} {backend} P=4")
 
 
 def test_length_not_divisible_is_refused(pool: SPMDPool) -> None:

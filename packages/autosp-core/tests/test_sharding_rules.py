@@ -22,6 +22,7 @@ from autosp.sharding.placement import Partial, Replicate, SeqAxis, Shard
 from autosp.sharding.rules import RULES
 from autosp.sharding.testing import check_op, head_shard, shard
 from autosp.tiled_mlp import OP as TILED_MLP
+from autosp.user_function import BODIES, Body
 
 aten = torch.ops.aten
 B, S, D, C, V = 2, 24, 4, 5, 11  # S = 24: zigzag needs 2P | S for P = 2, 3, 4
@@ -748,6 +749,51 @@ case(aten.arange.default, "seq-length", args(S, dtype=torch.int64, device="cpu",
 case(aten.arange.default, "other-length", args(7), seq_len=S)
 case(aten.arange.start, "seq-length", args(3, S + 3), seq_len=S)
 case(aten.arange.start_step, "seq-length-float", args(0, 2 * S, 2, dtype=F64), seq_len=S)
+
+# --- a user's own autograd.Function (autosp.user_function) ------------------------------------------------
+
+
+def _user_function_body() -> str:
+    """A Function's subgraphs as Dynamo makes them: ``x * w`` and its row sums, both saved inputs, and a
+    backward that clamps (not linear in the gradient: a rank's partial gradient clamped is wrong)."""
+
+    def fwd(x, w):
+        y = x * w
+        return (y, y.sum(-1)), (x, w)
+
+    def bwd(g, g_rows, x, w):
+        gx = (g * w + g_rows[..., None]).clamp(-0.5, 0.5)
+        return gx, (g * x).sum((0, 1))
+
+    body = Body(
+        fwd=torch.fx.symbolic_trace(fwd),
+        bwd=torch.fx.symbolic_trace(bwd),
+        n_out=2,
+        tuple_out=True,
+        saved_from=(("arg", 0), ("arg", 1)),
+        non_differentiable=frozenset(),
+    )
+    BODIES["test-clamped"] = body
+    return "test-clamped"
+
+
+_USER_FUNCTION = _user_function_body()
+for lay in ALL_LAYOUTS:
+    case(
+        torch.ops.autosp.user_function.default,
+        f"clamped-backward-{lay}",
+        args([x3, lambda g: randn(g, D)], _USER_FUNCTION),
+        shard(1, lay),
+        R,
+    )
+case(
+    torch.ops.autosp.user_function.default,
+    "clamped-backward-partial",
+    args([x3, lambda g: randn(g, D)], _USER_FUNCTION),
+    Partial(),
+    R,
+)
+
 
 # --- shape ops ------------------------------------------------------------------------------------------
 

@@ -74,10 +74,21 @@ def _draws(node: torch.fx.Node, target: torch._ops.OpOverload) -> bool:
 
 def random_ops(gm: torch.fx.GraphModule) -> list[tuple[str, str]]:
     """``(device type, description)`` of every node of ``gm`` that draws random numbers."""
+    from autosp.user_function import BODIES, USER_FUNCTION
+
     found = []
     for node in gm.graph.nodes:
         target = node.target
         if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+            continue
+        if target is USER_FUNCTION:
+            # Opaque to this graph: its forward's draws were read when it was made (autosp.user_function).
+            where = user_line(node) or node.name
+            vals = node.meta.get("val") or []
+            device = vals[0].device.type if vals and isinstance(vals[0], torch.Tensor) else "cpu"
+            found += [
+                (device, f"{op} in a custom torch.autograd.Function ({where})") for op in BODIES[node.args[1]].draws
+            ]
             continue
         if torch.Tag.nondeterministic_seeded not in target.tags or not _draws(node, target):
             continue

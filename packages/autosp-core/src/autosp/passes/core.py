@@ -31,6 +31,7 @@ from autosp.sharding import collectives as C
 from autosp.sharding.context import SPContext
 from autosp.sharding.dims import guess_seq_dim
 from autosp.sharding.propagate import shard_graph
+from autosp.user_function import keep_user_functions
 
 
 def _specs(ctx: CompileContext) -> list:
@@ -80,6 +81,13 @@ def find_attention(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
             ctx.report.notes.append(f"attention analysis skipped: {e}")
         return
     _refuse_unsupported(gm)
+    # Before the sites are read: attention inside a user's Function runs with it, whole.
+    functions = keep_user_functions(gm, user_line)
+    if functions:
+        ctx.report.notes.append(
+            f"{functions} custom torch.autograd.Function call(s) run whole on every rank with the user's backward "
+            "(inputs gathered; exact, no memory saving for them)"
+        )
     # Attention written out by hand is found after lowering (``autosp.lower``), where it is canonical.
     ctx.sites = find_attention_sites(gm, _specs(ctx))
     ctx.report.sites = list(ctx.sites)
@@ -118,13 +126,6 @@ _VMAP_ADVICE = (
     "@torch.compiler.disable: a graph break, which AutoSP keeps exact (the values crossing it are gathered "
     "whole), or compile with sp_size=1"
 )
-# The backward is the user's own, so it cannot be replaced by autograd's derivative of the forward
-# (a straight-through estimator, a gradient reversal); functionalization cannot trace it either.
-_FUNCTION_ADVICE = (
-    "Write it with torch ops (autograd then derives its backward) if its backward is the true gradient, or "
-    "call it from a function decorated with @torch.compiler.disable: a graph break, which AutoSP keeps "
-    "exact (the values crossing it are gathered whole), or compile with sp_size=1"
-)
 
 
 def _unsupported(node: torch.fx.Node) -> tuple[str, str] | None:
@@ -133,8 +134,6 @@ def _unsupported(node: torch.fx.Node) -> tuple[str, str] | None:
         # Flex's own advice only where the vmap came from Flex: other vmaps (a Mamba scan) have nothing to do with masks.
         flex = "flex_attention" in (node.meta.get("stack_trace") or "")
         return "torch.func.vmap", _FLEX_VMAP_ADVICE if flex else _VMAP_ADVICE
-    if node.target is getattr(torch.ops.higher_order, "autograd_function_apply", None):
-        return "a custom torch.autograd.Function", _FUNCTION_ADVICE
     if node.target is torch.nn.functional.embedding:
         return _unsupported_embedding(dict(zip(_EMBEDDING_ARGS, node.args)) | dict(node.kwargs))
     return None

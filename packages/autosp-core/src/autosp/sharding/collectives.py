@@ -265,6 +265,62 @@ def _scale_grad_backward(ctx: Any, grad: Tensor):
 
 scale_grad.register_autograd(_scale_grad_backward, setup_context=_scale_grad_setup)
 
+# --- gradient conventions around code that must see whole gradients ------------------------------
+#
+# A user's own backward (``autosp::user_function``) may not be linear in the gradient (a clamp), so
+# it must get the true gradient, not the partial one a replicated value carries. ``sum_grads`` sits
+# after such code: identity forward, its backward sums the partial gradients into the true one.
+# ``grad_once`` sits before it: identity forward, its backward keeps the (true) gradient on one rank
+# and zeros elsewhere, which is the partial convention again, exactly (no 1/P rounding).
+
+
+@torch.library.custom_op("autosp::sum_grads", mutates_args=())
+def sum_grads(x: Tensor, group_name: str) -> Tensor:
+    return x.clone()
+
+
+@sum_grads.register_fake
+def _(x, group_name):
+    return torch.empty_like(x)
+
+
+def _sum_grads_setup(ctx: Any, inputs: tuple, output: Tensor) -> None:
+    ctx.group_name = inputs[1]
+
+
+def _sum_grads_backward(ctx: Any, grad: Tensor):
+    return all_reduce(grad, ctx.group_name, True), None
+
+
+sum_grads.register_autograd(_sum_grads_backward, setup_context=_sum_grads_setup)
+
+
+@torch.library.custom_op("autosp::grad_once", mutates_args=())
+def grad_once(x: Tensor, keep: bool) -> Tensor:
+    return x.clone()
+
+
+@grad_once.register_fake
+def _(x, keep):
+    return torch.empty_like(x)
+
+
+def _grad_once_setup(ctx: Any, inputs: tuple, output: Tensor) -> None:
+    # ``keep`` is an argument, not read from the group here: the forward graph then differs per rank,
+    # so no compile cache hands one rank's backward to another.
+    ctx.keep = inputs[1]
+
+
+def _grad_once_backward(ctx: Any, grad: Tensor):
+    # The same ops on every rank, the zeros depending on the gradient: the joint graphs then differ
+    # by a constant only, so the gradient buckets planned on them pair up across ranks.
+    # masked_fill, not ``* 0``: an inf or nan in the gradient must not leak into the sum.
+    drop = torch.full((), not ctx.keep, dtype=torch.bool, device=grad.device)
+    return grad.masked_fill(drop, 0), None
+
+
+grad_once.register_autograd(_grad_once_backward, setup_context=_grad_once_setup)
+
 COLLECTIVE_OPS = frozenset(
     {
         torch.ops.autosp.all_gather.default,
@@ -287,6 +343,8 @@ __all__ = [
     "all_to_all",
     "all_to_all_start",
     "all_to_all_wait",
+    "grad_once",
     "reduce_scatter",
     "scale_grad",
+    "sum_grads",
 ]

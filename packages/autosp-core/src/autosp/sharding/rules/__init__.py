@@ -13,6 +13,7 @@ from autosp.sharding.rules import (  # noqa: F401 - register rules
     position,
     reduction,
     shape,
+    user_function,
 )
 from autosp.sharding.rules.base import (
     RULES,
