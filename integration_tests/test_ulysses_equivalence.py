@@ -81,7 +81,7 @@ def test_four_ranks_fewer_kv_heads_than_ranks():
 
 
 @pytest.mark.extended(
-    covered_by="packages/autosp-core/tests/test_grad_sync.py::test_buckets_follow_production_order_and_close_at_the_cap"
+    covered_by="packages/autosp-core/tests/test_grad_sync.py::test_buckets_follow_descending_slots_and_close_at_the_cap"
 )
 def test_two_ranks_inductor_many_gradient_buckets():
     # 2 KiB buckets: the 64x64 weights go alone, LayerNorm weights and biases share buckets. (One
