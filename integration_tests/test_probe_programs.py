@@ -186,8 +186,9 @@ def _functions_exact(per_rank: list, probes: list, what: str) -> None:
 
 def test_custom_autograd_functions_run_whole_with_the_users_backward(pool: SPMDPool) -> None:
     # Once a crash (functionalization's "NYI"), then refused: each Function now runs whole on every rank
-    # with the user's backward, handed the true gradient of its results (autosp.user_function).
-    probes = [*FUNCTIONS, FUNCTION_DISABLED]
+    # with the user's backward, handed the true gradient of its results (autosp.user_function). The
+    # plain reversal (also inside "custom-functions") runs in test-all; the dropout one under ring below.
+    probes = [*FUNCTIONS[1:3], FUNCTION_DISABLED]
     per_rank = pool.run(run_probes, probes, "ulysses", "aot_eager", {"fullgraph": False}, timeout_s=600)
     _functions_exact(per_rank, probes, "ulysses")
     for results in per_rank:
@@ -196,6 +197,12 @@ def test_custom_autograd_functions_run_whole_with_the_users_backward(pool: SPMDP
     probes = [("custom-functions-dropout", 16, 2)]
     per_rank = pool.run(run_probes, probes, "ring", "aot_eager", {"sac": True}, timeout_s=600)
     _functions_exact(per_rank, probes, "ring sac")
+
+
+@pytest.mark.extended(covered_by="test_custom_autograd_functions_run_whole_with_the_users_backward")
+def test_every_custom_autograd_function_probe_on_two_ranks(pool: SPMDPool) -> None:
+    per_rank = pool.run(run_probes, FUNCTIONS, "ulysses", "aot_eager", {"fullgraph": False}, timeout_s=600)
+    _functions_exact(per_rank, FUNCTIONS, "ulysses")
 
 
 @pytest.mark.parametrize(("variant", "backend"), [("ulysses", "inductor"), ("hybrid", "aot_eager")])

@@ -146,3 +146,42 @@ def test_random_draws_inside_a_function_are_reported_for_the_rng_check():
     assert len(found) == 1, found
     device, what = found[0]
     assert device == "cpu" and what.startswith("aten::rand") and "custom torch.autograd.Function" in what, what
+
+
+class Pair(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2, x * 3
+
+    @staticmethod
+    def backward(ctx, g2, g3):
+        return g2 * 2 + g3 * 3
+
+
+class PairFirstOnly(torch.autograd.Function):
+    """Pair's code, its second result marked non-differentiable: a flag of the call, not in the code."""
+
+    @staticmethod
+    def forward(ctx, x):
+        out = x * 2, x * 3
+        ctx.mark_non_differentiable(out[1])
+        return out
+
+    @staticmethod
+    def backward(ctx, g2, g3):
+        return g2 * 2 + g3 * 3
+
+
+def test_functions_of_the_same_code_with_other_flags_keep_their_own_backward():
+    def two(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        a, b = Pair.apply(x)
+        c, d = PairFirstOnly.apply(x)
+        return ((a + b + c + d) * w).sum()
+
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(5, generator=g), torch.randn(5, generator=g)
+    gm = dynamo_graph(two, x, w)
+    assert keep_user_functions(gm) == 2
+    got, expected = values_and_grads(lambda a, b: gm(a, b)[0], x, w), values_and_grads(two, x, w)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b)

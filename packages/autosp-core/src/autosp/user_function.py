@@ -111,12 +111,14 @@ user_function.register_autograd(_backward, setup_context=_setup)
 USER_FUNCTION = torch.ops.autosp.user_function.default
 
 
-def _key(fwd: torch.fx.GraphModule, bwd: torch.fx.GraphModule) -> str:
-    """Named by its code, so caches keyed on the graph hold a backward only for the same code.
+def _key(fwd: torch.fx.GraphModule, bwd: torch.fx.GraphModule, flags: dict[str, Any]) -> str:
+    """Named by its code and the call's flags, so caches keyed on the graph hold a backward only for
+    the same code; two Functions of the same code whose results differ in ``mark_non_differentiable``
+    (a flag of the call, not in the code) get two names.
 
     Constants held as attributes are not in the code: such a body gets a name of its own.
     """
-    text = fwd.code + "\0" + bwd.code
+    text = fwd.code + "\0" + bwd.code + "\0" + repr(sorted(flags.items()))
     if any(n.op == "get_attr" for g in (fwd, bwd) for n in g.graph.nodes):
         text += f"\0{id(fwd)}:{next(_unique)}"
     return hashlib.sha256(text.encode()).hexdigest()[:24]
@@ -201,7 +203,7 @@ def keep_user_functions(gm: torch.fx.GraphModule, where: Any = None) -> int:
                 )
         for node in calls:
             body = _body(module, node)
-            key = _key(body.fwd, body.bwd)
+            key = _key(body.fwd, body.bwd, dict(node.kwargs))
             BODIES[key] = body
             with graph.inserting_before(node):
                 call = graph.call_function(USER_FUNCTION, (list(node.args[2:]), key))
