@@ -1020,7 +1020,8 @@ class _Dropout(torch.autograd.Function):
 class CustomFunctions(LMBase):
     """Custom Functions in the graph: a clamped gradient before attention (its result feeds q/k/v), a
     gated MLP with its own backward after it, a gradient reversal on a pooled vector; ``checkpointed``:
-    the layer under ``torch.utils.checkpoint`` (the Functions inside its higher-order op)."""
+    the layer under ``torch.utils.checkpoint`` (the Functions inside its higher-order op); ``dropout``:
+    a dropout written as a Function after the gated MLP (its mask drawn inside, saved for the backward)."""
 
     def __init__(self, checkpointed: bool = False, dropout: bool = False) -> None:
         super().__init__()
