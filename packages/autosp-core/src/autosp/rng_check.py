@@ -25,6 +25,7 @@ import torch
 
 from autosp.analysis.source import user_line
 from autosp.errors import AutoSPError
+from autosp.user_function import BODIES, USER_FUNCTION
 
 # The generators the digest covers: torch's (ROCm's is torch.cuda's) and Python's ``random``, whose
 # draws in a forward Dynamo makes graph inputs (``random_value_0``) that no input check sees.
@@ -74,8 +75,6 @@ def _draws(node: torch.fx.Node, target: torch._ops.OpOverload) -> bool:
 
 def random_ops(gm: torch.fx.GraphModule) -> list[tuple[str, str]]:
     """``(device type, description)`` of every node of ``gm`` that draws random numbers."""
-    from autosp.user_function import BODIES, USER_FUNCTION
-
     found = []
     for node in gm.graph.nodes:
         target = node.target
