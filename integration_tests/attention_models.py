@@ -1,7 +1,7 @@
 """Small language models whose attention is written out by hand, or split by graph breaks.
 
 Each family spells attention the way some well-known codebase does (nanoGPT, HF ``eager``,
-GPT-2, Gemma-2's soft-capping, ALiBi, ``nn.MultiheadAttention``) or breaks the program the way real training code does
+GPT-2, Gemma-2's soft-capping, ALiBi, BLOOM's ``baddbmm``, ``nn.MultiheadAttention``) or breaks the program the way real training code does
 (a ``print`` between layers, ``torch.utils.checkpoint`` around each layer).  The tests hold
 AutoSP to single-device eager on all of them.
 """
@@ -63,6 +63,19 @@ def alibi(q, k, v, m, h=None):
     att = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]) + slopes[:, None, None] * dist
     att = att.masked_fill(~_causal(t).to(q.device), float("-inf"))
     return att.softmax(-1) @ v
+
+
+def bloom(q, k, v, m, h=None):
+    """BLOOM: batch and heads merged, the per-head ALiBi bias and the scale inside ``alibi.baddbmm``, a
+    4-D view masked (here with -inf, so SDPA computes it), softmax in fp32, ``bmm`` with v."""
+    b, nh, t, d = q.shape
+    rep = nh // k.shape[1]
+    q3, k3, v3 = (x.reshape(b * nh, t, d) for x in (q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)))
+    slopes = 2.0 ** (-8.0 * torch.arange(1, nh + 1, device=q.device, dtype=q.dtype) / nh)
+    alibi = (slopes[:, None] * torch.arange(t, device=q.device, dtype=q.dtype)).repeat(b, 1)[:, None, :]
+    att = alibi.baddbmm(q3, k3.transpose(-1, -2), beta=1.0, alpha=d**-0.5).view(b, nh, t, t)
+    probs = F.softmax(att.masked_fill(~_causal(t).to(q.device), float("-inf")), dim=-1, dtype=torch.float32)
+    return torch.bmm(probs.to(q.dtype).view(b * nh, t, t), v3).view(b, nh, t, d)
 
 
 def softcap(q, k, v, m, h=None):
@@ -129,6 +142,7 @@ ATTENTION: dict[str, Callable] = {
     "hf_eager": hf_eager,
     "gpt2": gpt2,
     "alibi": alibi,
+    "bloom": bloom,
     "softcap": softcap,
     "flat": flat,
     "sdpa": sdpa,

@@ -36,6 +36,7 @@ ARCHITECTURES: dict[str, tuple[str, str, str]] = {
     "GPT-Neo (eager, local attention)": ("gpt_neo", "eager", "lm"),
     "GPTBigCode (MQA)": ("gpt_bigcode", "sdpa", "lm"),
     "XGLM (eager)": ("xglm", "eager", "lm"),
+    "BLOOM (ALiBi in baddbmm)": ("bloom", "eager", "lm"),
     "BioGPT": ("biogpt", "sdpa", "lm"),
     "SmolLM3": ("smollm3", "sdpa", "lm"),
     "GLM": ("glm", "sdpa", "lm"),

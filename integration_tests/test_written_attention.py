@@ -25,6 +25,7 @@ CASES = {
     ("hf_eager", "none", 2, False): (0, FINITE),
     ("gpt2", "none", 4, True): (0, FINITE),
     ("alibi", "none", 4, False): (2, REWRITTEN),
+    ("bloom", "none", 2, False): (2, REWRITTEN),
     ("softcap", "none", 4, False): (0, "tanh"),
     ("flat", "none", 2, False): (0, "[batch * heads, S, d]"),
     ("sdpa", "between", 2, False): (2, None),
@@ -72,6 +73,7 @@ def check(
 # The forms the HF matrix's first-tier rows do not cover, with the graph breaks and cross-attention.
 FIRST_TIER = [
     ("nano", "none", 4, False),
+    ("bloom", "none", 2, False),  # once not found (baddbmm): the whole program ran on every rank
     ("softcap", "none", 4, False),
     ("sdpa", "between", 2, False),
     ("sdpa", "before_head", 2, False),
@@ -99,6 +101,7 @@ def test_two_ranks_ring():
     expect = {
         ("nano", "none", 4, False): (2, REWRITTEN),
         ("gpt2", "none", 4, True): (0, FINITE),
+        ("bloom", "none", 2, False): (2, REWRITTEN),  # a per-head [B, H, S, S] bias, tiled
         ("sdpa", "between", 2, False): (2, None),
         ("cross", "none", 4, False): (4, "cross-attention"),
         ("sdpa_padded", "none", 2, True): (2, None),  # a [B, 1, 1, S] mask, spelled out for the tiles

@@ -9,7 +9,7 @@ is ``exact``, ``refused`` (an ``AutoSPError`` raised alike on every rank, quoted
 (a wrong value, a hang past ``--timeout``, or any other error). The full text of every refusal and
 bug, and every op that ran on gathered inputs, follows the table. Exits 1 when some row is a bug.
 44 rows, one compile per rank each: about 10 minutes (250 s of CPU) on 2 loaded cores at sp=2; with
-``--more``, 60 rows of architectures beyond the matrix (``integration_tests/hf_more.py``).
+``--more``, 62 rows of architectures beyond the matrix (``integration_tests/hf_more.py``).
 """
 
 from __future__ import annotations

@@ -80,6 +80,43 @@ def q_dependent_bias(q, k, v, mask):
     return ((q @ k.transpose(-2, -1)) + q.sum(-1, keepdim=True)).softmax(-1) @ v
 
 
+def _flat(t):
+    return t.reshape(B * H, S, D)
+
+
+def bloom(q, k, v, mask):
+    # BLOOM: per-head ALiBi and the scale inside baddbmm over merged batch and heads, a 4-D view masked.
+    alibi = (torch.arange(1, H + 1.0)[:, None] * torch.arange(S)[None] / H).repeat(B, 1)[:, None, :]
+    att = alibi.baddbmm(_flat(q), _flat(k).transpose(-1, -2), beta=0.5, alpha=0.3).view(B, H, S, S)
+    p = F.softmax(att.masked_fill(~mask, float("-inf")), -1, dtype=torch.float32)
+    return torch.bmm(p.view(B * H, S, S), _flat(v)).view(B, H, S, D)
+
+
+def reordered(q, k, v, mask):
+    # GPT-2's reordered attention: k transposed before flattening, a baddbmm into a tensor it ignores
+    # (beta=0: the NaN in it must not come along).
+    kt = k.transpose(-1, -2).reshape(B * H, D, S)
+    att = torch.baddbmm(torch.full((B * H, S, S), float("nan")), _flat(q), kt, beta=0, alpha=0.25)
+    att = torch.where(mask, att.view(B, H, S, S), torch.full([], float("-inf")))
+    return torch.matmul(att.softmax(-1), v)
+
+
+def bloom_min(q, k, v, mask):
+    alibi = torch.zeros(B * H, 1, S).masked_fill(~mask[-1:], MIN)
+    att = alibi.baddbmm(_flat(q), _flat(k).transpose(-1, -2), alpha=0.3).view(B, H, S, S)
+    return torch.bmm(att.softmax(-1).view(B * H, S, S), _flat(v)).view(B, H, S, D)
+
+
+def bias_from_q(q, k, v, mask):
+    att = _flat(q).sum(-1, keepdim=True).baddbmm(_flat(q), _flat(k).transpose(1, 2)).view(B, H, S, S)
+    return torch.bmm(att.softmax(-1).view(B * H, S, S), _flat(v)).view(B, H, S, D)
+
+
+def negative_alpha(q, k, v, mask):
+    att = torch.zeros(1, S, S).baddbmm(_flat(q), _flat(k).transpose(1, 2), alpha=-0.3).view(B, H, S, S)
+    return torch.bmm(att.softmax(-1).view(B * H, S, S), _flat(v)).view(B, H, S, D)
+
+
 def _inputs():
     g = torch.Generator().manual_seed(0)
     return [torch.randn(B, H, S, D, generator=g) for _ in range(3)] + [CAUSAL]
@@ -93,7 +130,7 @@ def _ops(gm, target):
     return [n for n in gm.graph.nodes if n.target is target]
 
 
-@pytest.mark.parametrize("fn", [nano, hf, gpt2, scale_after_mask, padding_mask])
+@pytest.mark.parametrize("fn", [nano, hf, gpt2, scale_after_mask, padding_mask, bloom, reordered])
 def test_sdpa_expressible_forms_become_one_exact_call(fn):
     gm = _lowered(fn)
     regions = find_eager_regions(gm)
@@ -116,6 +153,8 @@ def test_sdpa_expressible_forms_become_one_exact_call(fn):
         (fp32_values, "different dtypes"),
         (scores_twice, "more than once"),
         (bias_minus_scaled_scores, "negates the scores"),
+        (bias_from_q, "adds a bias computed from q"),
+        (negative_alpha, "positive constant"),
     ],
 )
 def test_other_forms_are_found_and_kept(fn, why):
@@ -130,6 +169,9 @@ def test_site_has_the_mask_shape_sdpa_gets():
     assert (site.seq_len, site.kv_seq_len, site.heads, site.kv_heads, site.head_dim) == (S, S, H, H, D)
     assert site.mask_shape == (B, 1, S, S)
     assert region_site(find_eager_regions(_lowered(nano))[0]).mask_shape == (1, 1, S, S)
+    # baddbmm's bias is over batch * heads: the mask SDPA gets keeps both (ALiBi differs per head).
+    assert region_site(find_eager_regions(_lowered(bloom))[0]).mask_shape == (B, H, S, S)
+    assert region_site(find_eager_regions(_lowered(reordered))[0]).mask_shape == (1, 1, S, S)
 
 
 def test_fully_masked_rows_agree():
@@ -153,7 +195,16 @@ def given_float_mask(q, k, v, mask):
 
 @pytest.mark.parametrize(
     ("fn", "finite"),
-    [(nano, False), (alibi_like, False), (hf, True), (gpt2, True), (scale_after_mask, True), (padding_mask, True)],
+    [
+        (nano, False),
+        (alibi_like, False),
+        (bloom, False),
+        (hf, True),
+        (gpt2, True),
+        (scale_after_mask, True),
+        (padding_mask, True),
+        (bloom_min, True),
+    ],
 )
 def test_masks_that_can_hold_a_finite_fill_are_told(fn, finite):
     """-inf fills and biases of ordinary size cannot leave a row fully masked by a finite value; the

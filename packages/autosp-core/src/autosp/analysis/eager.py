@@ -2,8 +2,10 @@
 
 A model that spells attention as ``softmax(q @ k^T * c + mask) @ v`` (HF's ``eager`` attention,
 nanoGPT, GPT-2, research code) reaches the lowered graph as ``bmm -> view -> score ops ->
-_softmax -> bmm``.  Written that way, each rank would hold its rows of the full score matrix and
-gather k and v whole: exact (the sharding rules see to that), but no variant could do its job.
+_softmax -> bmm``; BLOOM's ``alibi.baddbmm(q, k^T, beta=b, alpha=a)`` puts a bias and a scale into
+the score matmul itself (``a * q @ k^T + b * alibi``).  Written that way, each rank would hold its
+rows of the full score matrix and gather k and v whole: exact (the sharding rules see to that), but
+no variant could do its job.
 
 A region becomes an SDPA call only when that is the same function.  The ops between the score
 matmul and the softmax must be *affine in the scores* - ``f(s) = a * s + f(0)`` with ``a`` a
@@ -46,6 +48,7 @@ _MASK = {
     aten.where.ScalarSelf,
 }
 _MASKED = -1e30  # a fill at or below this weighs nothing after softmax, whatever the score
+_SCORE_MM = {aten.bmm.default, aten.baddbmm.default}
 
 
 @dataclass
@@ -62,6 +65,9 @@ class EagerRegion:
     dropout_p: float = 0.0
     weights: list[torch.fx.Node] = field(default_factory=list)  # softmax -> the weights' matmul
     why_not: str | None = None  # set when the region is left as written
+    scores: torch.fx.Node | None = None  # the score matmul's 4-D view: where the score ops start
+    bias: torch.fx.Node | None = None  # baddbmm's ``self``, added ``beta`` times (absent when beta is 0)
+    beta: float = 1.0
 
     @property
     def line(self) -> str:
@@ -116,11 +122,16 @@ def _untranspose(node: torch.fx.Node) -> torch.fx.Node | None:
     return None
 
 
-def _bmm_as_4d(bmm: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node] | None:
-    a4, b4 = _to_4d(bmm.args[0]), _to_4d(bmm.args[1])
-    if a4 is None or b4 is None:
-        return None
-    return a4, b4
+def _operands(mm: torch.fx.Node) -> tuple[Any, Any]:
+    """The two batched matrices of a score ``bmm`` or ``baddbmm``."""
+    return (mm.args[1], mm.args[2]) if mm.target is aten.baddbmm.default else (mm.args[0], mm.args[1])
+
+
+def _baddbmm_factors(mm: torch.fx.Node) -> tuple[float | None, float | None]:
+    """(alpha, beta) of a ``baddbmm`` as Python numbers, None where either is something else."""
+    alpha = mm.kwargs.get("alpha", mm.args[4] if len(mm.args) > 4 else 1)
+    beta = mm.kwargs.get("beta", mm.args[3] if len(mm.args) > 3 else 1)
+    return _number(alpha), _number(beta)
 
 
 def _number(x: Any) -> float | None:
@@ -196,7 +207,7 @@ def _mask_fill(node: torch.fx.Node, s: torch.fx.Node) -> float | None:
 
 
 def find_eager_regions(gm: torch.fx.GraphModule) -> list[EagerRegion]:
-    """Every ``bmm -> score ops -> softmax (-> dropout) -> bmm`` over 4-D q, k, v, in graph order.
+    """Every ``bmm (or baddbmm) -> score ops -> softmax (-> dropout) -> bmm`` over 4-D q, k, v, in graph order.
 
     Also attention written over ``[B*H, S, d]`` (a 3-D softmax), as older Hugging Face code writes
     it (XGLM, BART, Marian): found, so the graph shards its sequence, but always kept as written.
@@ -215,7 +226,7 @@ def _back_to_bmm(node: Any, numel: int, depth: int = 0) -> torch.fx.Node | None:
     """The score ``bmm`` that ``node`` (the softmax's input) is computed from, through ops of its size."""
     if not isinstance(node, torch.fx.Node) or node.op != "call_function" or depth > 16:
         return None
-    if node.target is aten.bmm.default:
+    if node.target in _SCORE_MM:
         return node
     for arg in node.all_input_nodes:
         if math.prod(_shape(arg)) == numel:
@@ -227,7 +238,11 @@ def _back_to_bmm(node: Any, numel: int, depth: int = 0) -> torch.fx.Node | None:
 
 def _flat_kt_to_4d(node: Any) -> torch.fx.Node | None:
     """``k`` (4-D) from the score bmm's second operand: ``k3.transpose(1, 2)`` or a flattened ``k.transpose(-2, -1)``."""
-    if isinstance(node, torch.fx.Node) and node.target is aten.transpose.int and sorted(node.args[1:3]) == [1, 2]:
+    if (
+        isinstance(node, torch.fx.Node)
+        and node.target is aten.transpose.int
+        and sorted(d % 3 for d in node.args[1:3]) == [1, 2]
+    ):
         return _to_4d(node.args[0])
     kt = _to_4d(node)
     return _untranspose(kt) if kt is not None else None
@@ -240,7 +255,8 @@ def _flat_region_at(sm: torch.fx.Node) -> EagerRegion | None:
     scores = _back_to_bmm(sm.args[0], math.prod(shp))
     if scores is None or _shape(scores) != shp:
         return None
-    q, k = _to_4d(scores.args[0]), _flat_kt_to_4d(scores.args[1])
+    a, b = _operands(scores)
+    q, k = _to_4d(a), _flat_kt_to_4d(b)
     found = _forward_to_bmm(sm, [])
     if q is None or k is None or found is None:
         return None
@@ -267,7 +283,7 @@ def _is_scores(node: torch.fx.Node) -> bool:
         node.op == "call_function"
         and node.target in (aten.view.default, aten._unsafe_view.default)
         and isinstance(node.args[0], torch.fx.Node)
-        and node.args[0].target is aten.bmm.default
+        and node.args[0].target in _SCORE_MM
     )
 
 
@@ -314,12 +330,9 @@ def _region_at(sm: torch.fx.Node) -> EagerRegion | None:
     if chain is None:
         return None
     scores, ops = chain[0], chain[1:]
-    pair = _bmm_as_4d(scores.args[0])
-    if pair is None:
-        return None
-    q, kt = pair
-    k = _untranspose(kt)
-    if k is None:
+    a, b = _operands(scores.args[0])
+    q, k = _to_4d(a), _flat_kt_to_4d(b)
+    if q is None or k is None:
         return None
     found = _forward_to_bmm(sm, [])
     if found is None:
@@ -333,7 +346,9 @@ def _region_at(sm: torch.fx.Node) -> EagerRegion | None:
     (b, h, s, d), (bk, hk, sk, dk), (bv, hv, sv, dv) = _shape(q), _shape(k), _shape(v)
     if _shape(out) != (b, h, s, dv) or d != dk or sk != sv or hk != hv or bk != b or bv != b:
         return None
-    region = EagerRegion(q=q, k=k, v=v, output=out, softmax=sm, score_ops=ops, dropout_p=dropout_p, weights=path)
+    region = EagerRegion(
+        q=q, k=k, v=v, output=out, softmax=sm, score_ops=ops, dropout_p=dropout_p, weights=path, scores=scores
+    )
     _judge(region, scores)
     return region
 
@@ -355,6 +370,18 @@ def _judge(region: EagerRegion, scores: torch.fx.Node) -> None:
             return
     roots = {region.q, region.k, region.v}
     s, scale = scores, 1.0
+    mm = scores.args[0]
+    if mm.target is aten.baddbmm.default:
+        alpha, beta = _baddbmm_factors(mm)
+        if alpha is None or alpha <= 0 or beta is None:
+            region.why_not = f"{mm.name} scales its product or its bias by something other than a positive constant"
+            return
+        if beta and _depends_on(mm.args[0], roots):
+            region.why_not = f"{mm.name} adds a bias computed from q, k or v"
+            return
+        scale = alpha
+        # With beta 0 baddbmm ignores its bias, NaN and inf included.
+        region.bias, region.beta = (mm.args[0], beta) if beta else (None, 1.0)
     for node in region.score_ops:
         factor, why = _score_op(node, s, roots)
         if why is not None:
@@ -431,6 +458,8 @@ def may_mask_rows_finitely(
     kernels recompute its weights in the backward from a log-sum-exp that has lost ``log(n)`` (each
     weight 1, not 1/n): its gradients would be n times the program's.
     """
+    if region.bias is not None and _may_hold_finite_fill(gm, region.bias, state):
+        return True
     for op, others in _others(region):
         if op.target in _MASK:
             fill = _mask_fill(op, _chain_input(op, region))
@@ -450,15 +479,19 @@ def _chain_input(op: torch.fx.Node, region: EagerRegion) -> torch.fx.Node:
     i = region.score_ops.index(op)
     if i:
         return region.score_ops[i - 1]
-    return next(a for a in op.all_input_nodes if _is_scores(a))
+    assert region.scores is not None
+    return region.scores
 
 
 def _mask_shape(region: EagerRegion) -> list[int] | None:
     """Shape of the bias SDPA gets: 1 on batch or heads where every mask operand broadcasts."""
     masking = [others for op, others in _others(region) if op.target in _ADD | _MASK]
-    if not masking:
+    if not masking and region.bias is None:
         return None
     lead = [1, 1]
+    if region.bias is not None and math.prod(_shape(region.bias)[:-2]) != 1:
+        # baddbmm's bias is over [batch * heads]: which of the two it varies along is not known.
+        lead = list(_shape(region.q)[:2])
     for others in masking:
         for a in others:
             padded = (1,) * (4 - len(_shape(a))) + _shape(a)
@@ -495,14 +528,22 @@ def rewrite_region(gm: torch.fx.GraphModule, region: EagerRegion, leaf: Any) -> 
     with g.inserting_before(region.output):
         mask = None
         if shape is not None:
-            first = _chain_input(region.score_ops[0], region)
-            cur = g.call_function(aten.zeros.default, (shape,), {"dtype": _val(first).dtype, "device": q_val.device})
-            prev = first
+            assert region.scores is not None
+            prev = region.scores
+            dtype = _val(prev).dtype
+            like = {"dtype": dtype, "device": q_val.device}
+            if region.bias is None:
+                cur = g.call_function(aten.zeros.default, (shape,), like)
+            else:
+                # baddbmm's bias as its output carries it: over [batch * heads] rows, then the 4-D view.
+                flat = g.call_function(aten.zeros.default, ([shape[0] * shape[1], *shape[2:]],), like)
+                flat = g.call_function(aten.add.Tensor, (flat, region.bias), {"alpha": region.beta})
+                cur = g.call_function(aten.view.default, (flat, shape))
             for op in region.score_ops:
                 args, kwargs = torch.fx.node.map_arg((op.args, op.kwargs), lambda a: cur if a is prev else a)
                 prev, cur = op, g.call_function(op.target, args, kwargs)
             mask = cur
-            if _val(region.score_ops[-1]).dtype != q_val.dtype:
+            if _val(prev).dtype != q_val.dtype:
                 mask = g.call_function(aten._to_copy.default, (mask,), {"dtype": q_val.dtype})
         call = g.call_function(
             leaf,
