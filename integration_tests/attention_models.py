@@ -1,7 +1,7 @@
 """Small language models whose attention is written out by hand, or split by graph breaks.
 
 Each family spells attention the way some well-known codebase does (nanoGPT, HF ``eager``,
-GPT-2, Gemma-2's soft-capping, ALiBi, BLOOM's ``baddbmm``, ``nn.MultiheadAttention``) or breaks the program the way real training code does
+GPT-2, Gemma-2's soft-capping, ALiBi, BLOOM's ``baddbmm``, ``torch.einsum``, ``nn.MultiheadAttention``) or breaks the program the way real training code does
 (a ``print`` between layers, ``torch.utils.checkpoint`` around each layer).  The tests hold
 AutoSP to single-device eager on all of them.
 """
@@ -78,6 +78,16 @@ def bloom(q, k, v, m, h=None):
     return torch.bmm(probs.to(q.dtype).view(b * nh, t, t), v3).view(b, nh, t, d)
 
 
+def einsum(q, k, v, m, h=None):
+    """Research code: ``torch.einsum`` over [B, S, H, d] (no transpose to heads first), the causal mask
+    by ``masked_fill`` with -inf, the output back in the tokens-first layout."""
+    t = q.shape[2]
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    att = torch.einsum("bqhd,bkhd->bhqk", q, k) * q.shape[-1] ** -0.5
+    att = att.masked_fill(~_causal(t).to(q.device), float("-inf")).softmax(-1)
+    return torch.einsum("bhqk,bkhd->bqhd", att, v).transpose(1, 2)
+
+
 def softcap(q, k, v, m, h=None):
     """Gemma-2: scores soft-capped by ``tanh`` - no SDPA call computes this, so it stays written out."""
     t = q.shape[2]
@@ -143,6 +153,7 @@ ATTENTION: dict[str, Callable] = {
     "gpt2": gpt2,
     "alibi": alibi,
     "bloom": bloom,
+    "einsum": einsum,
     "softcap": softcap,
     "flat": flat,
     "sdpa": sdpa,

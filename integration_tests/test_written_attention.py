@@ -26,6 +26,7 @@ CASES = {
     ("gpt2", "none", 4, True): (0, FINITE),
     ("alibi", "none", 4, False): (2, REWRITTEN),
     ("bloom", "none", 2, False): (2, REWRITTEN),
+    ("einsum", "none", 4, False): (2, REWRITTEN),
     ("softcap", "none", 4, False): (0, "tanh"),
     ("flat", "none", 2, False): (0, "[batch * heads, S, d]"),
     ("sdpa", "between", 2, False): (2, None),
@@ -73,7 +74,9 @@ def check(
 # The forms the HF matrix's first-tier rows do not cover, with the graph breaks and cross-attention.
 FIRST_TIER = [
     ("nano", "none", 4, False),
-    ("bloom", "none", 2, False),  # once not found (baddbmm): the whole program ran on every rank
+    # Once not found (baddbmm; einsum's permutes around its bmm): the whole program ran on every rank.
+    ("bloom", "none", 2, False),
+    ("einsum", "none", 4, False),
     ("softcap", "none", 4, False),
     ("sdpa", "between", 2, False),
     ("sdpa", "before_head", 2, False),
@@ -102,6 +105,7 @@ def test_two_ranks_ring():
         ("nano", "none", 4, False): (2, REWRITTEN),
         ("gpt2", "none", 4, True): (0, FINITE),
         ("bloom", "none", 2, False): (2, REWRITTEN),  # a per-head [B, H, S, S] bias, tiled
+        ("einsum", "none", 4, False): (2, REWRITTEN),
         ("sdpa", "between", 2, False): (2, None),
         ("cross", "none", 4, False): (4, "cross-attention"),
         ("sdpa_padded", "none", 2, True): (2, None),  # a [B, 1, 1, S] mask, spelled out for the tiles

@@ -117,6 +117,25 @@ def negative_alpha(q, k, v, mask):
     return torch.bmm(att.softmax(-1).view(B * H, S, S), _flat(v)).view(B, H, S, D)
 
 
+def einsum_heads_first(q, k, v, mask):
+    att = torch.einsum("bhqd,bhkd->bhqk", q, k) * 0.3
+    return torch.einsum("bhqk,bhkd->bhqd", att.masked_fill(~mask, float("-inf")).softmax(-1), v)
+
+
+def einsum_tokens_first(q, k, v, mask):
+    # q, k, v as [B, S, H, d] (no transpose before attention), the output back in that layout.
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    att = torch.einsum("bqhd,bkhd->bhqk", q, k) / 2.0
+    out = torch.einsum("bhqk,bkhd->bqhd", F.softmax(att.masked_fill(~mask, float("-inf")), -1, torch.float32), v)
+    return out.transpose(1, 2)
+
+
+def einsum_over_queries(q, k, v, mask):
+    # The weights transposed (each key's distribution over the queries): the shapes match, not attention.
+    att = torch.einsum("bhqd,bhkd->bhqk", q, k).softmax(-1)
+    return torch.einsum("bhqk,bhqd->bhkd", att, v)
+
+
 def _inputs():
     g = torch.Generator().manual_seed(0)
     return [torch.randn(B, H, S, D, generator=g) for _ in range(3)] + [CAUSAL]
@@ -130,7 +149,9 @@ def _ops(gm, target):
     return [n for n in gm.graph.nodes if n.target is target]
 
 
-@pytest.mark.parametrize("fn", [nano, hf, gpt2, scale_after_mask, padding_mask, bloom, reordered])
+@pytest.mark.parametrize(
+    "fn", [nano, hf, gpt2, scale_after_mask, padding_mask, bloom, reordered, einsum_heads_first, einsum_tokens_first]
+)
 def test_sdpa_expressible_forms_become_one_exact_call(fn):
     gm = _lowered(fn)
     regions = find_eager_regions(gm)
@@ -260,6 +281,10 @@ def test_a_merged_batch_softmax_over_the_queries_is_not_attention():
         return torch.bmm(torch.bmm(q3, k3.transpose(1, 2)).softmax(1), v3)
 
     assert find_eager_regions(_lowered(over_queries)) == []
+
+
+def test_einsum_over_the_queries_is_not_attention():
+    assert find_eager_regions(_lowered(einsum_over_queries)) == []
 
 
 def test_matmul_on_other_layouts_is_not_attention():

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from autosp.analysis.attention import AttentionSite
+from autosp.analysis.layout import ELEMENTWISE, LAYOUT, chain_between, moves_like_reshape, static
 from autosp.analysis.source import user_line
 from autosp.analysis.users import live_users
 from autosp.lowering import SDPA as SDPA_SPEC
@@ -68,6 +69,17 @@ class EagerRegion:
     scores: torch.fx.Node | None = None  # the score matmul's 4-D view: where the score ops start
     bias: torch.fx.Node | None = None  # baddbmm's ``self``, added ``beta`` times (absent when beta is 0)
     beta: float = 1.0
+    # Which of q, k, v, output are the matmuls' own [B*H, ...] operands (k as k^T [B*H, d, Sk]) and
+    # not 4-D tensors of the graph (einsum's layouts); ``heads`` is (B, H) of the scores then.
+    merged: frozenset[str] = frozenset()
+    heads: tuple = ()
+
+    def shape4(self, which: str) -> tuple:
+        """The [B, H, len, d] shape of ``q``, ``k`` or ``v`` as SDPA takes it."""
+        shp = _shape(getattr(self, which))
+        if which not in self.merged:
+            return shp
+        return (*self.heads, shp[2], shp[1]) if which == "k" else (*self.heads, *shp[1:])
 
     @property
     def line(self) -> str:
@@ -278,13 +290,29 @@ def _flat_region_at(sm: torch.fx.Node) -> EagerRegion | None:
     )
 
 
+def _score_mm(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The ``bmm``/``baddbmm`` whose ``[B*H, S, Sk]`` product the 4-D ``node`` is, as ``[B, H, S, Sk]``."""
+    if node.op != "call_function" or node.target not in LAYOUT or len(_shape(node)) != 4:
+        return None
+    src = node.args[0]
+    if isinstance(src, torch.fx.Node) and src.target in _SCORE_MM and node.target in _FLATTEN:
+        return src if _shape(node)[2:] == _shape(src)[1:] else None
+    mm = src
+    for _ in range(16):  # einsum: unsqueeze, permute, view around the matmul
+        if not isinstance(mm, torch.fx.Node) or mm.op != "call_function":
+            return None
+        if mm.target in _SCORE_MM:
+            break
+        if mm.target not in LAYOUT:
+            return None
+        mm = mm.args[0]
+    chain = chain_between(mm, node) if isinstance(mm, torch.fx.Node) and mm.target in _SCORE_MM else None
+    shape = _shape(node)
+    return mm if chain and moves_like_reshape(mm, chain, shape) else None
+
+
 def _is_scores(node: torch.fx.Node) -> bool:
-    return (
-        node.op == "call_function"
-        and node.target in (aten.view.default, aten._unsafe_view.default)
-        and isinstance(node.args[0], torch.fx.Node)
-        and node.args[0].target in _SCORE_MM
-    )
+    return _score_mm(node) is not None
 
 
 def _back_to_scores(node: Any, shape: tuple, depth: int = 0) -> list[torch.fx.Node] | None:
@@ -309,13 +337,30 @@ _TO_WEIGHTS = {aten._to_copy.default, aten.native_dropout.default, operator.geti
 
 
 def _forward_to_bmm(node: torch.fx.Node, path: list[torch.fx.Node]) -> tuple[torch.fx.Node, list] | None:
-    """The ``bmm`` that multiplies the weights (``node`` after casts, dropout, broadcast) with v, and the path."""
-    if len(path) > 8:
+    """The ``bmm`` that multiplies the weights (``node`` after casts, dropout, layout ops) with v, and the path.
+
+    The weights must reach it as ``softmax.reshape([B*H, S, Sk])``: with permutes on the way (einsum),
+    checked on concrete sizes (``moves_like_reshape``); with symbolic ones only through the ops
+    ``torch.matmul`` puts there.
+    """
+    if len(path) > 12:
         return None
     for user in live_users(node):
         if user.target is aten.bmm.default and user.args[0] is node:
-            return user, [*path, node]
-        if user.target in _TO_WEIGHTS and not (user.target is operator.getitem and user.args[1] != 0):
+            path = [*path, node]
+            chain = chain_between(path[0], node, LAYOUT | ELEMENTWISE)
+            if chain is None:
+                continue
+            if static(path[0]):
+                ok = moves_like_reshape(path[0], chain, _shape(node))
+            else:
+                ok = all(n.target in _TO_WEIGHTS for n in chain)
+            if ok:
+                return user, path
+            continue
+        if (user.target in LAYOUT or user.target in ELEMENTWISE) and not (
+            user.target is operator.getitem and user.args[1] != 0
+        ):
             found = _forward_to_bmm(user, [*path, node])
             if found is not None:
                 return found
@@ -330,25 +375,43 @@ def _region_at(sm: torch.fx.Node) -> EagerRegion | None:
     if chain is None:
         return None
     scores, ops = chain[0], chain[1:]
-    a, b = _operands(scores.args[0])
-    q, k = _to_4d(a), _flat_kt_to_4d(b)
-    if q is None or k is None:
-        return None
+    mm = _score_mm(scores)
     found = _forward_to_bmm(sm, [])
-    if found is None:
+    if mm is None or found is None:
         return None
     after, path = found
     dropout_p = next((float(n.args[1]) for n in path if n.target is aten.native_dropout.default and n.args[2]), 0.0)
-    v = _to_4d(after.args[1])
+    a, b = _operands(mm)
+    # q, k, v and the output as 4-D tensors of the graph where it has them (its own layout kept), else
+    # the matmuls' [B*H, ...] operands, which the rewrite views as [B, H, ...] (einsum's layouts).
+    named = {"q": (_to_4d(a), a), "k": (_flat_kt_to_4d(b), b), "v": (_to_4d(after.args[1]), after.args[1])}
     out = _only_user(after)
-    if v is None or out is None or out.target not in (aten.view.default, aten._unsafe_view.default):
+    if out is None or out.target not in _FLATTEN or len(_shape(out)) != 4:
+        out = None
+    named["output"] = (out, after)
+    merged = frozenset(w for w, (four, _) in named.items() if four is None)
+    if merged and not all(static(n) for n in (a, b, after.args[1], after)):
         return None
-    (b, h, s, d), (bk, hk, sk, dk), (bv, hv, sv, dv) = _shape(q), _shape(k), _shape(v)
-    if _shape(out) != (b, h, s, dv) or d != dk or sk != sv or hk != hv or bk != b or bv != b:
-        return None
+    nodes = {w: four if four is not None else flat for w, (four, flat) in named.items()}
     region = EagerRegion(
-        q=q, k=k, v=v, output=out, softmax=sm, score_ops=ops, dropout_p=dropout_p, weights=path, scores=scores
+        **nodes,
+        softmax=sm,
+        score_ops=ops,
+        dropout_p=dropout_p,
+        weights=path,
+        scores=scores,
+        merged=merged,
+        heads=_shape(scores)[:2],
     )
+    (b, h, s, sk), (bq, hq, sq, d), (bk, hk, skk, dk), (bv, hv, sv, dv) = (
+        _shape(scores),
+        *(region.shape4(w) for w in ("q", "k", "v")),
+    )
+    out_shape = (b * h, s, dv) if "output" in merged else (b, h, s, dv)
+    if (bq, hq, sq) != (b, h, s) or (bk, bv, skk, sv) != (b, b, sk, sk) or d != dk or hk != hv:
+        return None
+    if _shape(region.output) != out_shape:
+        return None
     _judge(region, scores)
     return region
 
@@ -393,7 +456,7 @@ def _judge(region: EagerRegion, scores: torch.fx.Node) -> None:
     if len(dtypes) > 1:
         region.why_not = f"q, k and v have different dtypes ({sorted(str(d) for d in dtypes)})"
         return
-    hk, h = _shape(region.k)[1], _shape(region.q)[1]
+    hk, h = region.shape4("k")[1], region.shape4("q")[1]
     if h % hk:
         region.why_not = f"{h} query heads over {hk} kv heads"
         return
@@ -491,27 +554,27 @@ def _mask_shape(region: EagerRegion) -> list[int] | None:
     lead = [1, 1]
     if region.bias is not None and math.prod(_shape(region.bias)[:-2]) != 1:
         # baddbmm's bias is over [batch * heads]: which of the two it varies along is not known.
-        lead = list(_shape(region.q)[:2])
+        lead = list(region.heads or _shape(region.q)[:2])
     for others in masking:
         for a in others:
             padded = (1,) * (4 - len(_shape(a))) + _shape(a)
             if len(padded) == 4:
                 lead = [max(lead[i], padded[i]) for i in range(2)]
-    return [*lead, _shape(region.q)[2], _shape(region.k)[2]]
+    return [*lead, region.shape4("q")[2], region.shape4("k")[2]]
 
 
 def region_site(region: EagerRegion) -> AttentionSite:
     """The SDPA site ``region`` becomes, for the variant to check before anything is rewritten."""
-    b, h, s, d = _shape(region.q)
+    b, h, s, d = region.shape4("q")
     mask = _mask_shape(region)
     return AttentionSite(
         name=region.softmax.name,
         spec=SDPA_SPEC,
         batch=b,
         heads=h,
-        kv_heads=_shape(region.k)[1],
+        kv_heads=region.shape4("k")[1],
         seq_len=s,
-        kv_seq_len=_shape(region.k)[2],
+        kv_seq_len=region.shape4("k")[2],
         head_dim=d,
         is_causal=False,
         mask_shape=tuple(mask) if mask is not None else None,
@@ -519,13 +582,24 @@ def region_site(region: EagerRegion) -> AttentionSite:
     )
 
 
+def _as_4d(g: torch.fx.Graph, region: EagerRegion, which: str) -> torch.fx.Node:
+    """``q``, ``k`` or ``v`` as SDPA takes it: a merged operand viewed as [B, H, len, d] (k from k^T)."""
+    node = getattr(region, which)
+    if which not in region.merged:
+        return node
+    if which == "k":
+        node = g.call_function(aten.transpose.int, (node, 1, 2))
+    return g.call_function(aten.reshape.default, (node, list(region.shape4(which))))
+
+
 def rewrite_region(gm: torch.fx.GraphModule, region: EagerRegion, leaf: Any) -> torch.fx.Node:
     """Put one SDPA call in place of ``region``; its mask is the score ops run on zeros."""
     g = gm.graph
     q_val = _val(region.q)
-    h = q_val.shape[1]
+    h = region.shape4("q")[1]
     shape = _mask_shape(region)
     with g.inserting_before(region.output):
+        q, k, v = (_as_4d(g, region, w) for w in ("q", "k", "v"))
         mask = None
         if shape is not None:
             assert region.scores is not None
@@ -547,17 +621,20 @@ def rewrite_region(gm: torch.fx.GraphModule, region: EagerRegion, leaf: Any) -> 
                 mask = g.call_function(aten._to_copy.default, (mask,), {"dtype": q_val.dtype})
         call = g.call_function(
             leaf,
-            (region.q, region.k, region.v),
+            (q, k, v),
             {
                 "attn_mask": mask,
                 "dropout_p": region.dropout_p,
                 "is_causal": False,
                 "scale": region.scale,
-                "enable_gqa": _shape(region.k)[1] != h,
+                "enable_gqa": region.shape4("k")[1] != h,
             },
         )
+        out = call
+        if "output" in region.merged:  # what the weights' bmm gave: [B*H, S, dv]
+            out = g.call_function(aten.reshape.default, (call, list(_shape(region.output))))
     call.meta["stack_trace"] = region.softmax.meta.get("stack_trace")
-    region.output.replace_all_uses_with(call)
+    region.output.replace_all_uses_with(out)
     g.eliminate_dead_code()
     gm.recompile()
     return call

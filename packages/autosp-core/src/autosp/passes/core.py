@@ -182,7 +182,7 @@ def _settle_sequence(ctx: CompileContext, lengths: list, written_out: list[Eager
     """
     lengths = list(lengths)
     for r in written_out:
-        q_len, k_len = _concrete(r.q.meta["val"].shape[2]), _concrete(r.k.meta["val"].shape[2])
+        q_len, k_len = _concrete(r.shape4("q")[2]), _concrete(r.shape4("k")[2])
         lengths += [q_len] if q_len != k_len else [q_len, k_len]  # keys of another length: a memory
     lengths = [_input_size(ctx, n) for n in lengths]
     if not lengths:
