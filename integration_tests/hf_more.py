@@ -116,9 +116,10 @@ BUILDERS: dict[str, Callable[[], Any]] = {name: _builder(*spec) for name, spec i
 CLASSIFIERS = {name for name, (_, _, task) in ARCHITECTURES.items() if task == "classify"}
 
 
-def more_rows(variants: tuple[str, ...] = ("ulysses", "ring")) -> list[hm.Row]:
-    """Every architecture above, checkpointing off, fp32 training, under each variant."""
-    return [hm.Row(name, v) for name in ARCHITECTURES for v in variants]
+def more_rows(variants: tuple[str, ...] = ("ulysses", "ring"), checkpointing: bool = False) -> list[hm.Row]:
+    """Every architecture above, fp32 training, under each variant (``checkpointing``: HF's
+    ``gradient_checkpointing_enable()`` on each)."""
+    return [hm.Row(name, v, checkpointing) for name in ARCHITECTURES for v in variants]
 
 
 __all__ = ["ARCHITECTURES", "BUILDERS", "CLASSIFIERS", "config", "more_rows"]

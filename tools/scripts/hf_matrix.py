@@ -1,6 +1,7 @@
 """Run the Hugging Face model matrix (issue 12, item 7) and print its markdown results table.
 
-    python tools/scripts/hf_matrix.py [--sp 2] [--only SUBSTRING ...] [--timeout 300] [--backend aot_eager] [--more]
+    python tools/scripts/hf_matrix.py [--sp 2] [--only SUBSTRING ...] [--timeout 300] [--backend aot_eager]
+        [--more [--checkpointing]]
 
 Every row builds a tiny HF model in code (``integration_tests/hf_matrix.py``), runs one step under
 ``autosp.compile`` on a persistent pool of ``--sp`` gloo processes and compares the loss, the logits
@@ -9,7 +10,8 @@ is ``exact``, ``refused`` (an ``AutoSPError`` raised alike on every rank, quoted
 (a wrong value, a hang past ``--timeout``, or any other error). The full text of every refusal and
 bug, and every op that ran on gathered inputs, follows the table. Exits 1 when some row is a bug.
 44 rows, one compile per rank each: about 10 minutes (250 s of CPU) on 2 loaded cores at sp=2; with
-``--more``, 62 rows of architectures beyond the matrix (``integration_tests/hf_more.py``).
+``--more``, 62 rows of architectures beyond the matrix (``integration_tests/hf_more.py``), each with
+HF gradient checkpointing on too with ``--checkpointing``.
 """
 
 from __future__ import annotations
@@ -54,10 +56,17 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="the architectures beyond the matrix instead (integration_tests/hf_more.py: generic tiny configs)",
     )
+    ap.add_argument(
+        "--checkpointing",
+        action="store_true",
+        help="with --more: each architecture with gradient_checkpointing_enable() (off by default)",
+    )
     args = ap.parse_args(argv)
     if args.sp < 2:
         ap.error(f"--sp {args.sp}: sequence parallelism needs at least 2 ranks; give --sp 2 or more")
-    every = more_rows() if args.more else matrix_rows()
+    if args.checkpointing and not args.more:
+        ap.error("--checkpointing goes with --more: the matrix has its own checkpointing rows")
+    every = more_rows(checkpointing=args.checkpointing) if args.more else matrix_rows()
     rows = [r for r in every if not args.only or any(s in r.label() for s in args.only)]
     if not rows:
         ap.error(f"--only {args.only} matches no row; rows look like {every[0].label()!r}")

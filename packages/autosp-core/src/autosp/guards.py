@@ -183,17 +183,34 @@ def _hard_dynamo_failures() -> Iterator[None]:
     compiled program once on fake tensors: AutoSP's pieces would each lose the others' attention,
     and a fake gradient reached DDP's reducer. Whole, DDP's own hooks reduce the gradients.
 
+    A checkpointed layer (HF's ``gradient_checkpointing_enable()``) whose forward sets a Python
+    variable (transformers 5's hub-kernel layers set and reset a context variable around attention)
+    is traced as one checkpoint op with its side effects applied once, in the forward
+    (``skip_fwd_side_effects_in_bwd_under_checkpoint``). Otherwise Dynamo refuses the checkpoint op
+    and runs the layer in eager, outside every graph: the attention of Qwen3, Gemma, Granite and
+    others then ran whole on every rank. Eager checkpointing would apply those Python side effects
+    again in the recomputation; the recomputed tensors are the traced forward's, so values and
+    gradients keep.
+
     Set and restored by hand: ``config.patch`` costs ~0.1 ms a call, an attribute ~10 us. The
     values are context variables in torch 2.13, so other threads are not affected.
     """
     cfg = torch._dynamo.config
-    saved = cfg.fail_on_recompile_limit_hit, cfg.suppress_errors, cfg.optimize_ddp, cfg.skip_nnmodule_hook_guards
-    cfg.fail_on_recompile_limit_hit, cfg.suppress_errors, cfg.optimize_ddp = True, False, False
-    cfg.skip_nnmodule_hook_guards = False
+    names = (
+        "fail_on_recompile_limit_hit",
+        "suppress_errors",
+        "optimize_ddp",
+        "skip_nnmodule_hook_guards",
+        "skip_fwd_side_effects_in_bwd_under_checkpoint",
+    )
+    saved = [getattr(cfg, n) for n in names]
+    for name, value in zip(names, (True, False, False, False, True)):
+        setattr(cfg, name, value)
     try:
         yield
     finally:
-        cfg.fail_on_recompile_limit_hit, cfg.suppress_errors, cfg.optimize_ddp, cfg.skip_nnmodule_hook_guards = saved
+        for name, value in zip(names, saved):
+            setattr(cfg, name, value)
 
 
 # The ids of the tensors the current guarded call was given (None outside one): the backend tells
