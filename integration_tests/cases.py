@@ -82,6 +82,7 @@ def run_compiled(
             out = step(compiled, name, batches[name])
         report = compiled.autosp_reports[0]
         out["collectives"] = dict(report.collectives)
+        out["group_ops"] = report.group_ops
         out["fallbacks"] = list(report.fallbacks)
         out["layers"] = len(report.sites)
         out["params"] = sum(1 for p in model.parameters() if p.requires_grad)

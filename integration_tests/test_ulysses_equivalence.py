@@ -52,6 +52,11 @@ MODELS_2 = ["llama", "llama-window", "hf-llama", "hf-qwen2"]
 def _exchanges_only(results: dict, names: tuple[str, ...]) -> None:
     for name in names:
         r = results[name]
+        # The sequence the compile agreement compared between the ranks: the forward's exchanges and the
+        # backward's, and the one gradient all-reduce.
+        ops = r["group_ops"]
+        assert ops is not None and sum(op.startswith("autosp::all_to_all@") for op in ops) == 4 * r["layers"], ops
+        assert sum(op.startswith("_c10d_functional::all_reduce@") for op in ops) == 1, ops
         # q, k, v in (fused into one) and the output back: two all-to-alls per attention layer, nothing gathered.
         assert r["collectives"]["all_to_all"] == 2 * r["layers"], (name, r["collectives"])
         assert not r["fallbacks"], (name, r["fallbacks"])

@@ -21,6 +21,8 @@ from autosp.passes.collective_order import (
     INDEX,
     ScheduleCheck,
     chain_collectives,
+    group_op_sequence,
+    group_size_label,
     inductor_patches,
     keep_collectives,
     never_merged,
@@ -56,6 +58,37 @@ def _two_all_reduces() -> fx.GraphModule:
     r2 = g.call_function(autosp_ops.all_reduce.default, (b, "0", False))
     g.output((r1, mm, r2))
     return fx.GraphModule(torch.nn.Module(), g)
+
+
+def test_the_group_op_sequence_names_each_op_and_its_group_in_graph_order():
+    g = fx.Graph()
+    a = g.placeholder("a")
+    x = g.call_function(autosp_ops.all_to_all.default, (a, 1, 2, "7"))
+    y = g.call_function(c10d.all_reduce.default, (x, "sum"), {"group_name": "9"})
+    z = g.call_function(c10d.wait_tensor.default, (y,))
+    g.output(g.call_function(torch.ops.aten.mm.default, (z, a)))
+    assert group_op_sequence(g) == [
+        "autosp::all_to_all@7",
+        "_c10d_functional::all_reduce@9",
+        "_c10d_functional::wait_tensor",
+    ]
+
+
+def test_a_group_reads_as_its_size_on_every_rank():
+    # A hybrid layout's sub-groups have other names on other ranks of the SP group; their sizes agree.
+    import torch.distributed as dist
+
+    from autosp.sharding.testing.threads import simulate
+
+    def rank_fn(rank: int, name: str) -> tuple[str, str]:
+        subs = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # every rank makes both, in one order
+        mine = subs[rank % 2]
+        return group_size_label(name), group_size_label(mine.group_name), mine.group_name
+
+    results = simulate(rank_fn, 4)
+    assert {r[:2] for r in results} == {("4 ranks", "2 ranks")}
+    assert results[0][2] != results[1][2]  # the names differ: compared as names, the ranks would part
+    assert group_size_label("no such group") == "no such group"
 
 
 def test_group_ops_are_side_effectful_only_while_inductor_compiles():

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from autosp.compile_agreement import CompileFailed, ProgramMismatch, agree_on_compile
+from autosp.compile_agreement import CollectiveMismatch, CompileFailed, ProgramMismatch, agree_on_compile
 from autosp.sharding.testing.threads import collectives_issued, simulate
 
 
@@ -27,7 +27,8 @@ def test_every_rank_returns_when_every_rank_compiled(world: int) -> None:
 
     for rank, (got, issued) in enumerate(simulate(rank_fn, world)):
         assert got == ("ok", f"graph of rank {rank}")
-        assert issued == ["all_reduce[(7,)]"]  # failed?, the program and captured digests, compiling?; nothing gathered
+        # failed?, the program and captured digests, compiling?, the group ops' digest; nothing gathered
+        assert issued == ["all_reduce[(10,)]"]
 
 
 def test_a_failure_on_one_rank_is_raised_on_every_rank() -> None:
@@ -64,8 +65,62 @@ def test_ranks_that_compiled_different_programs_are_refused_on_every_rank() -> N
         assert "different programs for graph [0/0] (global ranks [0, 1]; global ranks [2])" in message
         assert "'sdpa(is_causal=True)' on global ranks [0, 1] against 'sdpa(is_causal=False)'" in message
         assert "train()/eval()" in message
-        assert issued[0] == "all_reduce[(7,)]"
+        assert issued[0] == "all_reduce[(10,)]"
     assert len({m for (_, m), _ in results}) == 1  # the same error on every rank
+
+
+EXCHANGE = ["all_to_all@g", "wait_exchange@g", "all_reduce@g"]
+
+
+def test_ranks_whose_compiled_graphs_issue_other_collectives_are_refused_on_every_rank() -> None:
+    """One program compiled into other group ops on one rank (a collective dropped or two merged there)
+    would hang, or pair the wrong collectives: every rank raises, naming the first difference."""
+
+    def rank_fn(rank: int, _: str) -> tuple[tuple[str, str], list[str]]:
+        ops = EXCHANGE if rank != 1 else EXCHANGE[:2]  # rank 1's graph lost the all-reduce
+        got = _outcome(lambda: agree_on_compile(lambda: "compiled", dist.group.WORLD, "graph [0/0]", "p", lambda: ops))
+        return got, collectives_issued()
+
+    results = simulate(rank_fn, 3)
+    for (kind, message), issued in results:
+        assert kind == CollectiveMismatch.__name__, message
+        assert "global rank 0 issues 3, global rank 1 2; at position 2 'all_reduce@g' against '(no more)'" in message
+        assert "bug in AutoSP" in message
+        assert issued[0] == "all_reduce[(10,)]" and len(issued) == 3  # then the sequences gathered (pickled)
+    assert len({m for (_, m), _ in results}) == 1
+
+
+@pytest.mark.parametrize(
+    ("ops", "expect"),
+    [
+        ([EXCHANGE, EXCHANGE], "ok"),
+        ([EXCHANGE, None], "ok"),  # one rank took its graphs from AOT's cache: nothing to compare
+        ([EXCHANGE, EXCHANGE[::-1]], CollectiveMismatch.__name__),  # the same ops, another order
+    ],
+)
+def test_group_ops_are_compared_only_when_every_rank_knows_them(ops: list, expect: str) -> None:
+    def rank_fn(rank: int, _: str) -> str:
+        return _outcome(lambda: agree_on_compile(lambda: "c", dist.group.WORLD, "graph [0/0]", "p", lambda: ops[rank]))[
+            0
+        ]
+
+    assert simulate(rank_fn, 2) == [expect, expect]
+
+
+def test_a_program_mismatch_names_python_hashes_that_differ_between_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Set iteration order follows the process's string hashes: with a graph break in such a loop, the
+    ranks compile the same code's pieces in other orders. The refusal says so when the hashes differ."""
+    import threading
+
+    from autosp import compile_agreement
+
+    monkeypatch.setattr(compile_agreement, "string_hash", lambda: hash(threading.current_thread().name))
+
+    def rank_fn(rank: int, _: str) -> tuple[str, str]:
+        return _outcome(lambda: agree_on_compile(lambda: "c", dist.group.WORLD, "graph [10/0]", f"piece {rank}"))
+
+    for kind, message in simulate(rank_fn, 2):
+        assert kind == ProgramMismatch.__name__ and "PYTHONHASHSEED" in message, message
 
 
 def test_the_same_program_agrees() -> None:
@@ -97,7 +152,7 @@ def test_each_run_compares_the_tensors_a_graph_reads_besides_parameters_and_inpu
         assert second[0] == ParameterMismatch.__name__
         assert "hold different tensors, 1 of 1 that graph [0/0] reads besides parameters" in second[1]
         assert "  table: rank 0 / rank 1\n" in second[1]
-        assert issued[1].startswith("all_reduce[(7,)] all_reduce[(7,)]")
+        assert issued[1].startswith("all_reduce[(10,)] all_reduce[(10,)]")
 
 
 def test_a_rank_that_recompiles_the_same_program_stays_in_step_with_the_running_ranks() -> None:

@@ -10,7 +10,7 @@ from importlib import metadata as _metadata
 
 from autosp.analysis.attention import AttentionSite, AttentionSpec
 from autosp.api import AutoSPBackend, backend, compile, explain
-from autosp.compile_agreement import CompileFailed, ProgramMismatch
+from autosp.compile_agreement import CollectiveMismatch, CompileFailed, ProgramMismatch
 from autosp.errors import AutoSPError, ConfigError, PeerFailed, VerificationError
 from autosp.guards import (
     AttentionNotSharded,
@@ -57,6 +57,7 @@ __all__ = [
     "ParameterMismatch",
     "PeerFailed",
     "ProgramMismatch",
+    "CollectiveMismatch",
     "StepMismatch",
     "RandomStateMismatch",
     "Pass",

@@ -156,7 +156,12 @@ class AutoSPBackend:
             agreeing = self.sync_group if self.sync_group is not None else self.group
             with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
                 fn, joined_runs = agree_on_compile_joining_runs(
-                    compile_it, agreeing, what, program, digest.fingerprints(example_inputs)
+                    compile_it,
+                    agreeing,
+                    what,
+                    program,
+                    digest.fingerprints(example_inputs),
+                    group_ops=lambda: self.reports[-1].group_ops,
                 )
             # An error of this graph on this rank only would leave the others in its collectives.
             # Its backward too, where a collective that fails for want of a peer is named (the group

@@ -13,6 +13,14 @@ every rank, which traced the same full-length inputs) and the options. Ranks who
 count or causal flag, other ``autosp.compile`` options) would pair collectives of different programs:
 a loss that matches no single-device run, or a hang. Every rank raises ``ProgramMismatch`` instead.
 
+The same all-reduce compares, last, the group ops each rank's compiled forward and backward issue,
+in order (``Report.group_ops``). The SP rewrite emits the same ones on every rank, and the passes
+after it (the partitioner's CSE and dead-code removal, Inductor's scheduler) are held to keep them
+(``autosp.passes.collective_order``); ranks whose sequences still differ would hang in their first
+unpaired collective, or pair two collectives of one kind and size silently. So every rank raises
+``CollectiveMismatch`` instead, naming the first difference: a bug in AutoSP, never the user's.
+A rank that took its graphs from AOT autograd's cache has no sequence to offer; then none is compared.
+
 Ranks running a graph begin each run with the same all-reduce (``SameProgramOnEveryRun``), so when
 Dynamo recompiles on some ranks only, the compiling ranks' agreement meets the running ranks' run
 exchange: programs that differ are refused there, and an identical one (a hook that only records,
@@ -56,6 +64,10 @@ class ProgramMismatch(AutoSPError):
     """The SP ranks compiled different programs (graphs or options) for the same call."""
 
 
+class CollectiveMismatch(AutoSPError):
+    """The SP ranks compiled one program into different sequences of collectives (an AutoSP bug)."""
+
+
 _ADDRESS = re.compile(r"0x[0-9a-fA-F]+")
 _UNCOMPARED = ("group", "timeout", "hardware")  # process objects, and settings that cannot part the programs
 _MASK = (1 << 62) - 1  # a digest d and -d both fit int64, so one MAX all-reduce gives min and max
@@ -83,21 +95,33 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[0] if lines else ''}"
 
 
-def agree_on_compile(compile_fn: Callable[[], T], group: Any, what: str, program: str = "") -> T:
+def agree_on_compile(
+    compile_fn: Callable[[], T],
+    group: Any,
+    what: str,
+    program: str = "",
+    group_ops: Callable[[], list[str] | None] = lambda: None,
+) -> T:
     """``compile_fn()`` on this rank; it returns only if it returned on every rank of ``group``, and
-    every rank compiled the same ``program`` (``program_text``)."""
-    return agree_on_compile_joining_runs(compile_fn, group, what, program)[0]
+    every rank compiled the same ``program`` (``program_text``) into the same ``group_ops()``."""
+    return agree_on_compile_joining_runs(compile_fn, group, what, program, group_ops=group_ops)[0]
 
 
 def agree_on_compile_joining_runs(
-    compile_fn: Callable[[], T], group: Any, what: str, program: str = "", captured: Sequence[tuple[str, int]] = ()
+    compile_fn: Callable[[], T],
+    group: Any,
+    what: str,
+    program: str = "",
+    captured: Sequence[tuple[str, int]] = (),
+    group_ops: Callable[[], list[str] | None] = lambda: None,
 ) -> tuple[T, bool]:
     """``agree_on_compile``, and whether ranks running a graph (``SameProgramOnEveryRun``) met this
     exchange: Dynamo recompiled on some ranks only, into the same program. Those ranks then run
     their graph's collectives; this rank, which took their run exchange here, must skip its own
     first one (``SameProgramOnEveryRun(skip_first=True)``) to stay in step with them.
     ``captured``: fingerprints of the tensors the graph reads besides parameters and inputs
-    (``CapturedDigest``), which the running ranks' exchange carries too."""
+    (``CapturedDigest``), which the running ranks' exchange carries too. ``group_ops``: the compiled
+    graphs' group ops, read once ``compile_fn`` returned (None: not known on this rank)."""
     error: Exception | None = None
     result: Any = None
     try:
@@ -105,8 +129,9 @@ def agree_on_compile_joining_runs(
     except Exception as e:  # a KeyboardInterrupt is not a compile failure: it ends this rank
         error = e
     waiting = f"waiting for every SP rank to compile {what}"
+    sequence = group_ops() if error is None else None
     failed, alike, running = _exchange(
-        group, waiting, what, program, error, CapturedDigest.digest(captured), compiling=True
+        group, waiting, what, program, error, CapturedDigest.digest(captured), compiling=True, sequence=sequence
     )
     if failed == 0 and not alike:
         _refuse_other_tensors(group, what, captured)
@@ -136,13 +161,18 @@ def _exchange(
     error: Exception | None,
     captured: int = 0,
     compiling: bool = False,
+    sequence: list[str] | None = None,
 ) -> tuple[int, bool, bool]:
-    """One MAX all-reduce of (failed?, digest, -digest, captured, -captured, compiling, -compiling);
-    raises ``ProgramMismatch`` when the program digests differ. Returns (ranks that failed, whether the
-    ``captured`` digests agree, whether some ranks were compiling and others running)."""
+    """One MAX all-reduce of (failed?, digest, -digest, captured, -captured, compiling, -compiling,
+    sequence unknown?, its digest, -digest); raises ``ProgramMismatch`` when the program digests
+    differ, ``CollectiveMismatch`` when every rank knows its group ops and they differ. Returns (ranks
+    that failed, whether the ``captured`` digests agree, whether some ranks were compiling and others
+    running)."""
     digest = digest_bytes(program.encode()) & _MASK
     captured &= _MASK
+    ops = digest_bytes("\n".join(sequence).encode()) & _MASK if sequence is not None else 0
     values = [int(error is not None), digest, -digest, captured, -captured, int(compiling), -int(compiling)]
+    values += [int(sequence is None), ops, -ops]
     agreed = torch.tensor(values, dtype=torch.int64, device=collective_device(group))
     try:
         peer_failure.wait(
@@ -152,9 +182,14 @@ def _exchange(
         if is_comm_failure(e):
             raise CollectiveFailure(comm_failure_message(waiting, group, e)) from (error or e)
         raise
-    failed, highest, lowest, captured_high, captured_low, any_compiling, not_all = (int(v) for v in agreed.tolist())
+    failed, highest, lowest, captured_high, captured_low, any_compiling, not_all, unknown, ops_high, ops_low = (
+        int(v) for v in agreed.tolist()
+    )
     if failed == 0 and highest != -lowest:
         _refuse_other_programs(group, what, program, error)
+    if failed == 0 and unknown == 0 and ops_high != -ops_low:
+        assert sequence is not None  # every rank knows its sequence
+        _refuse_other_sequences(group, what, sequence)
     return failed, captured_high == -captured_low, any_compiling == 1 and not_all == 0
 
 
@@ -205,6 +240,27 @@ class SameProgramOnEveryRun:
         return self.fn(*args)
 
 
+def _refuse_other_sequences(group: Any, what: str, sequence: list[str]) -> None:
+    """Every rank saw the group-op digests differ: name the first op where two ranks part."""
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, sequence, group=group)
+    ranks = dist.get_process_group_ranks(group)
+    first = gathered[0]
+    other = next(i for i, seq in enumerate(gathered) if seq != first)
+    at = next(
+        (i for i, (a, b) in enumerate(zip(first, gathered[other])) if a != b), min(len(first), len(gathered[other]))
+    )
+    show = lambda seq: seq[at] if at < len(seq) else "(no more)"  # noqa: E731
+    raise CollectiveMismatch(
+        f"the SP ranks compiled {what} into different sequences of collectives: global rank {ranks[0]} issues "
+        f"{len(first)}, global rank {ranks[other]} {len(gathered[other])}; at position {at} "
+        f"{show(first)!r} against {show(gathered[other])!r}. Run, they would wait in a collective the other never "
+        "issues, or pair two that sum the wrong tensors. This is a bug in AutoSP, not in your program: please "
+        "report it with this message and the graph's report (compiled.autosp_reports); backend='aot_eager' or "
+        "sac=False may avoid it meanwhile."
+    )
+
+
 def _refuse_other_tensors(group: Any, what: str, named: Sequence[tuple[str, int]]) -> None:
     """Every rank saw the captured digests differ: name the tensors and which ranks hold what."""
     gathered: list[Any] = [None] * dist.get_world_size(group)
@@ -230,10 +286,25 @@ class CapturedDigest:
         return self.cache([(name, args[i]) for i, name in self.captured]) if self.captured else []
 
 
+def string_hash() -> int:
+    """This process's hash of a fixed string: it differs between processes unless PYTHONHASHSEED is set."""
+    return hash("autosp")
+
+
+_HASH_HINT = (
+    " The ranks' Python string hashes differ (PYTHONHASHSEED is not set alike), so iterating over a set of "
+    "strings (HF Gemma-3 does, over its layer types) takes another order on each rank; with a graph break "
+    "in that loop, each rank compiles its pieces in another order. Launch every rank with the same "
+    "PYTHONHASHSEED (e.g. PYTHONHASHSEED=0 torchrun ...)."
+)
+
+
 def _refuse_other_programs(group: Any, what: str, program: str, error: Exception | None) -> None:
     """Every rank saw the digests differ: name which ranks compiled which program, and the first difference."""
-    texts: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(texts, program, group=group)
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, (program, string_hash()), group=group)
+    texts = [text for text, _ in gathered]
+    hashes_differ = len({h for _, h in gathered}) > 1
     ranks = dist.get_process_group_ranks(group)
     variants: dict[str, list[int]] = {}
     for rank, text in zip(ranks, texts):
@@ -249,12 +320,13 @@ def _refuse_other_programs(group: Any, what: str, program: str, error: Exception
         "Run them, and they would pair collectives of different programs: a result that matches no "
         "single-device run, or a hang. Every SP rank must run the same model code in the same state: the same "
         "module attributes and train()/eval() mode, the same torch.no_grad()/autocast context and the same "
-        "autosp.compile options, called with the same inputs."
+        "autosp.compile options, called with the same inputs." + (_HASH_HINT if hashes_differ else "")
     ) from error
 
 
 __all__ = [
     "CapturedDigest",
+    "CollectiveMismatch",
     "CompileFailed",
     "ProgramMismatch",
     "SameProgramOnEveryRun",

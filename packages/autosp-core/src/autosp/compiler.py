@@ -21,7 +21,7 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 from autosp.context import CompileContext
 from autosp.hardware_select import resolve as resolve_hardware
 from autosp.options import SPOptions
-from autosp.passes.collective_order import never_merged
+from autosp.passes.collective_order import group_op_sequence, group_size_label, never_merged
 from autosp.passes.manager import PassManager, Stage
 from autosp.registry import Registry
 from autosp.report import Report
@@ -223,6 +223,7 @@ def compile_graph(
 
         def inner(g: torch.fx.GraphModule, ex: Sequence[Any], **kw: Any):
             g = manager.run(Stage.BACKWARD if kw.get("is_backward") else Stage.FORWARD, g, ctx)
+            _record_group_ops(ctx, g)
             with keep_collectives(g.graph):
                 return compile_fx_inner(g, ex, **kw)
 
@@ -240,7 +241,9 @@ def compile_graph(
         def compile_stage(g: torch.fx.GraphModule, ex: Sequence[Any]):
             if stage is Stage.BACKWARD:
                 _donate_nothing()
-            return make_boxed_func(manager.run(stage, g, ctx).forward)
+            g = manager.run(stage, g, ctx)
+            _record_group_ops(ctx, g)
+            return make_boxed_func(g.forward)
 
         return compile_stage
 
@@ -252,6 +255,11 @@ def compile_graph(
         partition_fn=partition,
     )
     return wrap_outputs(compiled, ctx.output_shards, group)
+
+
+def _record_group_ops(ctx: CompileContext, g: torch.fx.GraphModule) -> None:
+    """The stage's group ops, for the compile agreement to compare between the SP ranks."""
+    ctx.report.group_ops = [*(ctx.report.group_ops or []), *group_op_sequence(g.graph, group_size_label)]
 
 
 def _donate_nothing() -> None:

@@ -30,6 +30,9 @@ class Report:
     seq_len: int | None = None  # the sequence length this graph sharded, if any
     outputs: list[str] = field(default_factory=list)  # what leaves the graph (crosses a graph break)
     random_ops: list[tuple[str, str]] = field(default_factory=list)  # (device type, op and line) drawing random numbers
+    # The group ops of the compiled forward, then backward, in the order each rank issues them; None
+    # when AOT autograd took the graphs from its cache (no stage compiled here).
+    group_ops: list[str] | None = None
 
     def __str__(self) -> str:
         lines = [

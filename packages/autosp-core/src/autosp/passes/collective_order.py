@@ -41,12 +41,13 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.fx import Graph, Node
 
 from autosp.errors import AutoSPError
@@ -66,6 +67,33 @@ def talks_to(target: Any) -> bool:
 
 def talks_to_group(node: Node) -> bool:
     return node.op == "call_function" and talks_to(node.target)
+
+
+def group_op_sequence(graph: Graph, label: Callable[[str], str] = str) -> list[str]:
+    """The graph's group ops in its order, each as ``op@label(group)``: what every SP rank must issue alike.
+
+    Sizes and other arguments may differ between ranks (their pieces); which ops, in which order, may
+    not. ``label``: how a group's name reads, alike on the ranks of the SP group (a hybrid layout's
+    sub-groups have other names on other ranks: ``group_size_label``).
+    """
+    out = []
+    for node in graph.nodes:
+        if not talks_to_group(node):
+            continue
+        schema = node.target._schema
+        names = [a.name for a in schema.arguments]
+        i = names.index("group_name") if "group_name" in names else None
+        group = node.kwargs.get("group_name", node.args[i] if i is not None and i < len(node.args) else None)
+        out.append(f"{schema.name}@{label(group)}" if isinstance(group, str) else schema.name)
+    return out
+
+
+def group_size_label(name: str) -> str:
+    """A group by its size: the same on every rank, whichever sub-group of a layout the rank is in."""
+    try:
+        return f"{_resolve_process_group(name).size()} ranks"
+    except (RuntimeError, ValueError, KeyError):
+        return name
 
 
 @contextlib.contextmanager
@@ -260,6 +288,8 @@ __all__ = [
     "ScheduleCheck",
     "chain_collectives",
     "group_op_index",
+    "group_op_sequence",
+    "group_size_label",
     "inductor_patches",
     "keep_collectives",
     "scheduled_order",
