@@ -43,7 +43,7 @@ import contextlib
 import hashlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
@@ -91,7 +91,7 @@ def group_op_sequence(graph: Graph, label: Callable[[str], str] = str) -> list[s
 def group_size_label(name: str) -> str:
     """A group by its size: the same on every rank, whichever sub-group of a layout the rank is in."""
     try:
-        return f"{_resolve_process_group(name).size()} ranks"
+        return f"{_resolve_process_group(cast(Any, name)).size()} ranks"  # torch types the name as GroupName
     except (RuntimeError, ValueError, KeyError):
         return name
 
