@@ -254,8 +254,8 @@ def _refuse_other_sequences(group: Any, what: str, sequence: list[str]) -> None:
     raise CollectiveMismatch(
         f"the SP ranks compiled {what} into different sequences of collectives: global rank {ranks[0]} issues "
         f"{len(first)}, global rank {ranks[other]} {len(gathered[other])}; at position {at} "
-        f"{show(first)!r} against {show(gathered[other])!r}. Run, they would wait in a collective the other never "
-        "issues, or pair two that sum the wrong tensors. This is a bug in AutoSP, not in your program: please "
+        f"{show(first)!r} against {show(gathered[other])!r}. Run, the ranks would wait in a collective another "
+        "never issues, or pair two that sum the wrong tensors. This is a bug in AutoSP, not in your program: please "
         "report it with this message and the graph's report (compiled.autosp_reports); backend='aot_eager' or "
         "sac=False may avoid it meanwhile."
     )
