@@ -293,6 +293,24 @@ def test_recompile_limit_raises_instead_of_running_eager():
     torch._dynamo.reset()
 
 
+def test_checkpointed_side_effects_are_traced_during_the_call_only():
+    # transformers 5's hub-kernel layers set a Python variable inside HF's checkpointed layers: without
+    # this setting Dynamo runs those layers in eager, outside every graph (test_hf_matrix.py has the model).
+    seen = []
+    runs = GraphRuns()
+
+    def record(gm, example_inputs):
+        seen.append(torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint)
+        return runs.wrap(gm.forward)
+
+    torch._dynamo.reset()
+    call = GuardedCall(torch.compile(_double, backend=record, dynamic=False), _double, None, None, runs)
+    call(torch.ones(3))
+    assert seen == [True]
+    assert torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint is False
+    torch._dynamo.reset()
+
+
 def test_suppressed_errors_do_not_turn_autosp_errors_into_eager():
     def refuse(gm, example_inputs):
         raise AutoSPError("no attention site (stand-in for any AutoSP refusal)")
