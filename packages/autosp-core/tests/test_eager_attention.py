@@ -117,6 +117,12 @@ def negative_alpha(q, k, v, mask):
     return torch.bmm(att.softmax(-1).view(B * H, S, S), _flat(v)).view(B, H, S, D)
 
 
+def tensor_fill(q, k, v, mask):
+    # The fill as a tensor the model makes: a constant of the traced graph.
+    att = (q @ k.transpose(-2, -1)).masked_fill(~mask, torch.tensor(float("-inf"))) / 4.0
+    return att.softmax(-1) @ v
+
+
 def einsum_heads_first(q, k, v, mask):
     att = torch.einsum("bhqd,bhkd->bhqk", q, k) * 0.3
     return torch.einsum("bhqk,bhkd->bhqd", att.masked_fill(~mask, float("-inf")).softmax(-1), v)
@@ -150,7 +156,19 @@ def _ops(gm, target):
 
 
 @pytest.mark.parametrize(
-    "fn", [nano, hf, gpt2, scale_after_mask, padding_mask, bloom, reordered, einsum_heads_first, einsum_tokens_first]
+    "fn",
+    [
+        nano,
+        hf,
+        gpt2,
+        scale_after_mask,
+        padding_mask,
+        bloom,
+        reordered,
+        einsum_heads_first,
+        einsum_tokens_first,
+        tensor_fill,
+    ],
 )
 def test_sdpa_expressible_forms_become_one_exact_call(fn):
     gm = _lowered(fn)

@@ -50,6 +50,8 @@ _MASK = {
 }
 _MASKED = -1e30  # a fill at or below this weighs nothing after softmax, whatever the score
 _SCORE_MM = {aten.bmm.default, aten.baddbmm.default}
+# What the lowering puts between a tensor constant and its use (``torch.tensor(x)`` in the model).
+_SAME_VALUE = {aten.lift_fresh_copy.default, aten.detach.default, aten.alias.default, aten.clone.default}
 
 
 @dataclass
@@ -147,13 +149,22 @@ def _baddbmm_factors(mm: torch.fx.Node) -> tuple[float | None, float | None]:
 
 
 def _number(x: Any) -> float | None:
-    """A Python number, or the constant a 0-d ``full`` holds (GPT-2 divides by one)."""
+    """A Python number, or the constant a 0-d ``full`` holds (GPT-2 divides by one), or a 0-d tensor
+    constant of the graph (``torch.tensor(float("-inf"))`` in the model: fixed when it was traced)."""
     if isinstance(x, (int, float)) and not isinstance(x, bool):
         return float(x)
-    if isinstance(x, torch.fx.Node) and x.target in (aten.full.default, aten.scalar_tensor.default):
+    if not isinstance(x, torch.fx.Node):
+        return None
+    if x.target in (aten.full.default, aten.scalar_tensor.default):
         value = x.args[1] if x.target is aten.full.default else x.args[0]
         if _shape(x) == () and isinstance(value, (int, float)):
             return float(value)
+    while x.target in _SAME_VALUE and isinstance(x.args[0], torch.fx.Node):
+        x = x.args[0]
+    if x.op == "get_attr":
+        held = getattr(x.graph.owning_module, str(x.target), None)
+        if isinstance(held, torch.Tensor) and held.dim() == 0 and held.is_floating_point():
+            return float(held)
     return None
 
 
