@@ -69,6 +69,8 @@ PROBES = {
         ("circular-pad", 16, 2),
         ("selected-positions", 16, 2),
         ("eos-pool", 16, 2),
+        # nn.MultiheadAttention returning its weights: bmm over [B*H, S, d] views (once run whole).
+        ("torch-mha-weights", 16, 2),
     ],
     "ring": [
         *COMMON,

@@ -293,6 +293,20 @@ def test_attention_over_merged_batch_and_heads_is_found_and_kept():
     assert region.output.target is torch.ops.aten.bmm.default
 
 
+def test_multihead_attention_returning_its_weights_is_found_and_kept():
+    # need_weights=True (nn.MultiheadAttention's default): bmm over [S, B*H, d] views transposed, no 4-D q.
+    mha = torch.nn.MultiheadAttention(H * D, H, batch_first=True)
+
+    def weights_returned_mha(q, k, v, mask):
+        x = q.transpose(1, 2).reshape(B, S, H * D)
+        return mha(x, x, x, need_weights=True)
+
+    (region,) = find_eager_regions(make_fx(weights_returned_mha)(*_inputs()))
+    assert region.why_not is not None and "[batch * heads, S, d]" in region.why_not
+    assert region.merged == {"q", "k", "v"}
+    assert (region.shape4("q")[2], region.shape4("k")[2]) == (S, S)  # what the graph shards by
+
+
 def test_a_merged_batch_softmax_over_the_queries_is_not_attention():
     def over_queries(q, k, v, mask):
         q3, k3, v3 = (t.reshape(B * H, S, D) for t in (q, k, v))

@@ -468,16 +468,16 @@ def test_default_mode_compares_tokens_whole_and_floats_by_sample():
     assert fingerprint(compared(big.clone(), "tokens")) == fingerprint(sample)
 
 
-def test_not_sharded_message_points_at_graph_breaks_and_einsum():
-    """Attention at a graph break (nn.MultiheadAttention warning on mixed mask types) or written with
-    einsum runs whole, warned: the message names both causes, the break only where Dynamo split."""
+def test_not_sharded_message_points_at_graph_breaks_and_the_forms_found():
+    """Attention at a graph break (nn.MultiheadAttention warning on mixed mask types) or written in a form
+    not found runs whole, warned: the message names both causes, the break only where Dynamo split."""
     from types import SimpleNamespace
 
     from autosp.guards import not_sharded_message
 
     one = not_sharded_message(2, [SimpleNamespace(notes=[])])
     two = not_sharded_message(2, [SimpleNamespace(notes=[]), SimpleNamespace(notes=[])])
-    assert "torch.einsum is not recognised yet" in one and "graph break" not in one
+    assert "bmm, baddbmm or einsum" in one and "graph break" not in one
     assert "split this program into 2 graphs" in two and "TORCH_LOGS=graph_breaks" in two
 
 

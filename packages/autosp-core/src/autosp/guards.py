@@ -83,9 +83,9 @@ def not_sharded_message(world: int, reports: Sequence[Any]) -> str:
         "no attention was found in them, so every rank computes the whole sequence (the results are exact, the "
         "memory and time are one device's on every rank)"
         + (f" ({notes[0]})" if notes else "")
-        + ". If the model computes attention in a form AutoSP does not recognise (attention written with "
-        "torch.einsum is not recognised yet: write its two products with @), call it through "
-        "torch.nn.functional.scaled_dot_product_attention (Hugging Face: attn_implementation='sdpa'); "
+        + ". If the model computes attention in a form AutoSP does not recognise (written attention is found as "
+        "two matmuls around a softmax over the last axis, through @, torch.matmul, bmm, baddbmm or einsum), call "
+        "it through torch.nn.functional.scaled_dot_product_attention (Hugging Face: attn_implementation='sdpa'); "
         "compiled.autosp_reports says what each graph holds."
         + (
             f" Dynamo split this program into {len(reports)} graphs: attention that runs at a graph break (a "

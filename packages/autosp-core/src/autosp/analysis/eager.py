@@ -278,27 +278,28 @@ def _flat_region_at(sm: torch.fx.Node) -> EagerRegion | None:
     scores = _back_to_bmm(sm.args[0], math.prod(shp))
     if scores is None or _shape(scores) != shp:
         return None
-    a, b = _operands(scores)
-    q, k = _to_4d(a), _flat_kt_to_4d(b)
     found = _forward_to_bmm(sm, [])
-    if q is None or k is None or found is None:
+    if found is None:
         return None
     after, path = found
-    v = _to_4d(after.args[1])
-    if v is None:
-        return None
-    (b, h, s, d), (bk, hk, sk, dk), (bv, hv, sv, _) = _shape(q), _shape(k), _shape(v)
-    if shp != (b * h, s, sk) or d != dk or sk != sv or (bk, hk) != (bv, hv) or bk != b:
-        return None
-    return EagerRegion(
-        q=q,
-        k=k,
-        v=v,
+    a, b = _operands(scores)
+    # 4-D tensors of the graph where it has them; else (nn.MultiheadAttention's [S, B*H, d] views
+    # transposed) the operands themselves, as [1, B*H, len, d]: kept as written, only the lengths count.
+    named = {"q": (_to_4d(a), a), "k": (_flat_kt_to_4d(b), b), "v": (_to_4d(after.args[1]), after.args[1])}
+    q4 = named["q"][0]
+    region = EagerRegion(
+        **{w: four if four is not None else flat for w, (four, flat) in named.items()},
         output=after,
         softmax=sm,
         weights=path,
+        merged=frozenset(w for w, (four, _) in named.items() if four is None),
+        heads=_shape(q4)[:2] if q4 is not None else (1, shp[0]),
         why_not="it is written over [batch * heads, S, d] tensors, which no variant rewrites yet",
     )
+    (b, h, s, d), (bk, hk, sk, dk), (bv, hv, sv, _) = (region.shape4(w) for w in ("q", "k", "v"))
+    if shp != (b * h, s, sk) or d != dk or sk != sv or (bk, hk) != (bv, hv) or bk != b:
+        return None
+    return region
 
 
 def _score_mm(node: torch.fx.Node) -> torch.fx.Node | None:
