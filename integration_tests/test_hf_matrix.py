@@ -86,7 +86,8 @@ def test_row(pool: SPMDPool, row: Row) -> None:
 
 # HF gradient checkpointing over transformers 5's hub-kernel layers, whose forward sets a Python variable
 # around attention (Qwen3, Gemma-3, Granite, SmolLM3, OLMoE, ...): Dynamo refused the checkpoint op and
-# ran those layers in eager, outside every graph, so no graph was sharded (exact, no sequence parallelism).
+# ran those layers in eager, outside every graph, so no graph was sharded (exact, no sequence parallelism);
+# Gemma-3, whose pieces then fell in a loop over a set, was refused (each rank compiled them in its order).
 CHECKPOINTED_HUB_LAYERS = [
     Row("Qwen3", "ulysses", checkpointing=True),
     pytest.param(
