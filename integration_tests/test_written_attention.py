@@ -124,7 +124,14 @@ def test_three_ranks_heads_not_divisible():
 def test_four_ranks_ulysses():
     # The rewritten and the kept-as-written forms; graph breaks and cross-attention run at P=2 above
     # (cross-attention's query rows at P=2, 3 and 4 in the rule harness, test_sharding_rules.py).
-    check(4, "aot_eager", "ulysses", [("nano", "none", 4, False), ("gpt2", "none", 4, True)])
+    # BLOOM's baddbmm and einsum's layouts (P=2 in the first tier) too.
+    cases = [
+        ("nano", "none", 4, False),
+        ("gpt2", "none", 4, True),
+        ("bloom", "none", 2, False),
+        ("einsum", "none", 4, False),
+    ]
+    check(4, "aot_eager", "ulysses", cases)
 
 
 @pytest.mark.parametrize(
@@ -133,6 +140,11 @@ def test_four_ranks_ulysses():
         pytest.param(
             "ulysses",
             [("hf_eager", "checkpoint", 2, False), ("cross", "none", 4, False), ("flat", "none", 2, False)],
+            marks=pytest.mark.extended(covered_by="test_two_ranks_inductor"),
+        ),
+        pytest.param(
+            "ulysses",
+            [("bloom", "none", 2, False), ("einsum", "none", 4, False)],
             marks=pytest.mark.extended(covered_by="test_two_ranks_inductor"),
         ),
         # Ring's tiles of a model-built mask (nanoGPT's tril buffer, as SDPA's attn_mask) under Inductor:
