@@ -240,6 +240,11 @@ class SameProgramOnEveryRun:
         return self.fn(*args)
 
 
+def _first_difference(a: Sequence[Any], b: Sequence[Any]) -> int:
+    """The first index where ``a`` and ``b`` differ (the shorter's length when one extends the other)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def _refuse_other_sequences(group: Any, what: str, sequence: list[str]) -> None:
     """Every rank saw the group-op digests differ: name the first op where two ranks part."""
     gathered: list[Any] = [None] * dist.get_world_size(group)
@@ -247,9 +252,7 @@ def _refuse_other_sequences(group: Any, what: str, sequence: list[str]) -> None:
     ranks = dist.get_process_group_ranks(group)
     first = gathered[0]
     other = next(i for i, seq in enumerate(gathered) if seq != first)
-    at = next(
-        (i for i, (a, b) in enumerate(zip(first, gathered[other])) if a != b), min(len(first), len(gathered[other]))
-    )
+    at = _first_difference(first, gathered[other])
     show = lambda seq: seq[at] if at < len(seq) else "(no more)"  # noqa: E731
     raise CollectiveMismatch(
         f"the SP ranks compiled {what} into different sequences of collectives: global rank {ranks[0]} issues "
@@ -311,7 +314,7 @@ def _refuse_other_programs(group: Any, what: str, program: str, error: Exception
         variants.setdefault(text, []).append(rank)
     first, *others = list(variants)
     a, b = first.splitlines(), others[0].splitlines()
-    line = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    line = _first_difference(a, b)
     show = lambda lines: lines[line].strip()[:400] if line < len(lines) else "(nothing)"  # noqa: E731
     groups = "; ".join(f"global ranks {rs}" for rs in variants.values())
     raise ProgramMismatch(

@@ -323,10 +323,6 @@ def _score_mm(node: torch.fx.Node) -> torch.fx.Node | None:
     return mm if chain and moves_like_reshape(mm, chain, shape) else None
 
 
-def _is_scores(node: torch.fx.Node) -> bool:
-    return _score_mm(node) is not None
-
-
 def _back_to_scores(node: Any, shape: tuple, depth: int = 0) -> list[torch.fx.Node] | None:
     """``[scores, op, op, ...]``: the chain from the score matmul's 4-D view up to ``node``.
 
@@ -335,7 +331,7 @@ def _back_to_scores(node: Any, shape: tuple, depth: int = 0) -> list[torch.fx.No
     """
     if not isinstance(node, torch.fx.Node) or node.op != "call_function" or depth > 16:
         return None
-    if _is_scores(node):
+    if _score_mm(node) is not None:
         return [node] if _shape(node) == shape else None
     for arg in node.args:
         if isinstance(arg, torch.fx.Node) and _shape(arg) == shape:
