@@ -480,6 +480,7 @@ def inputs(name: str, seq: int = 16, batch: int = 2) -> tuple[torch.Tensor, ...]
         "rotated",
         "custom-function",
         "custom-function-disabled",
+        "eager-layer",
         "chunk-local",
         "chunk-local-mask",
         "embedding-freq-scaled",
@@ -963,6 +964,30 @@ class CustomFunction(LMBase):
         x = x + self.attn(x)
         x = x + (_scale_grad_outside(x) if self.outside else _ScaleGrad.apply(x))
         return self.lm_loss(x + self.attn(x), ids)
+
+
+class _EagerAttn(Attn):
+    """An attention layer Dynamo runs in eager (a user's ``torch.compiler.disable``)."""
+
+    @torch.compiler.disable
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return super().forward(x, bias)
+
+
+class EagerLayer(LMBase):
+    """The second of two attention layers runs in eager, between the graphs (its parameters with it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.eager = _EagerAttn()
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        x = x + self.attn(x)
+        return self.lm_loss(x + self.eager(self.ln(x)), ids)
+
+
+BUILDERS["eager-layer"] = lambda s: EagerLayer()
 
 
 class _ClipGrad(torch.autograd.Function):

@@ -87,6 +87,7 @@ def run_probes(
             compiled = autosp.compile(model, backend=backend, variant=variant, **{"fullgraph": True, **(options or {})})
             with caches_off(), warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always", autosp.AttentionNotSharded)
+                warnings.simplefilter("always", autosp.RanInEager)
                 got = step(compiled, args)
         except Exception as e:  # noqa: BLE001 - a probe's refusal is a verdict, not a crash of the task
             kind = "refused" if type(e).__module__.startswith("autosp") or "AutoSP" in type(e).__name__ else "error"
@@ -98,6 +99,7 @@ def run_probes(
             "fallbacks": [f for r in reports for f in r.fallbacks],
             "sharded": [r.seq_len for r in reports],
             "whole_attention": [str(w.message) for w in caught if issubclass(w.category, autosp.AttentionNotSharded)],
+            "ran_in_eager": [str(w.message) for w in caught if issubclass(w.category, autosp.RanInEager)],
         }
     return results
 

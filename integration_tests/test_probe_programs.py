@@ -166,6 +166,24 @@ def test_token_mixers_under_sac(pool: SPMDPool) -> None:
     _exact(pool.run(run_probes, MIXERS, "ulysses", "aot_eager", options, timeout_s=600), MIXERS, "sac")
 
 
+# Code Dynamo runs in eager, outside every graph: nn.TransformerEncoder's causal-mask check (an
+# .item() inside torch's own module) once sent its whole layer stack there, silently whole on every
+# rank; a layer the user disabled still runs there, and the user is told.
+EAGER = [("torch-mha-encoder", 16, 2), ("eager-layer", 16, 2)]
+
+
+def test_code_dynamo_runs_in_eager(pool: SPMDPool) -> None:
+    per_rank = pool.run(run_probes, EAGER, "ulysses", "aot_eager", {"fullgraph": False}, timeout_s=600)
+    for where, r in _exact(per_rank, EAGER, "ulysses"):
+        if where.startswith(str(EAGER[0])):
+            # The break resumes inside the encoder: its layers are compiled into the sharded graph.
+            assert r["sharded"] == [None, 16] and not r["ran_in_eager"], f"{where}: {r}"
+        else:
+            assert r["sharded"] == [16, 16], f"{where}: {r['sharded']}"
+            (message,) = r["ran_in_eager"]
+            assert "4 parameter(s) of the model (eager." in message and "qkv.weight" in message, message
+
+
 # Custom autograd.Functions: a gradient reversal; a clamped gradient (a backward not linear in the
 # gradient) feeding attention, a SwiGLU with its own backward, parameters among its inputs and a
 # non-differentiable result; the same layer under torch.utils.checkpoint; dropout drawn inside a Function;

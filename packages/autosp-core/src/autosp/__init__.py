@@ -19,6 +19,7 @@ from autosp.guards import (
     GradientMismatch,
     InputMismatch,
     NotSequenceParallel,
+    RanInEager,
     StepMismatch,
 )
 from autosp.hardware import HardwareProfile
@@ -58,6 +59,7 @@ __all__ = [
     "PeerFailed",
     "ProgramMismatch",
     "CollectiveMismatch",
+    "RanInEager",
     "StepMismatch",
     "RandomStateMismatch",
     "Pass",

@@ -31,6 +31,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from autosp import arrivals, peer_failure
+from autosp.eager_params import eager_params_message, params_used_in_eager
 from autosp.errors import AutoSPError, CollectiveFailure
 from autosp.input_check import (
     GradientMismatchError,
@@ -70,6 +71,10 @@ class EagerFallback(AutoSPError):
 
 class NotSequenceParallel(UserWarning):
     """Every graph of the program runs whole on every rank: exact, but nothing is sequence-parallel."""
+
+
+class RanInEager(UserWarning):
+    """Parameters were used by code Dynamo ran in eager: that code ran whole on every rank (exact)."""
 
 
 class AttentionNotSharded(UserWarning):
@@ -192,6 +197,11 @@ def _hard_dynamo_failures() -> Iterator[None]:
     again in the recomputation; the recomputed tensors are the traced forward's, so values and
     gradients keep.
 
+    A graph break inside code Dynamo does not compile as a frame of its own (torch's own modules:
+    ``nn.TransformerEncoder`` reads ``.item()`` to tell whether its mask is causal) resumes inside that
+    code (``nested_graph_breaks``). Otherwise Dynamo runs the whole call that holds the break in
+    eager: the encoder's layers ran outside every graph, whole on every rank, with nothing sharded.
+
     Set and restored by hand: ``config.patch`` costs ~0.1 ms a call, an attribute ~10 us. The
     values are context variables in torch 2.13, so other threads are not affected.
     """
@@ -202,9 +212,10 @@ def _hard_dynamo_failures() -> Iterator[None]:
         "optimize_ddp",
         "skip_nnmodule_hook_guards",
         "skip_fwd_side_effects_in_bwd_under_checkpoint",
+        "nested_graph_breaks",
     )
     saved = [getattr(cfg, n) for n in names]
-    for name, value in zip(names, (True, False, False, False, True)):
+    for name, value in zip(names, (True, False, False, False, True, True)):
         setattr(cfg, name, value)
     try:
         yield
@@ -294,6 +305,7 @@ class GuardedCall:
         self.runs = runs
         self.reports = reports
         self.warned = False
+        self.warned_eager = False
         self.signature = signature_of(model)
         self.model = model
         self.seen: list[str] = []
@@ -308,6 +320,7 @@ class GuardedCall:
             state = self.state.fingerprints() if self.state is not None else None
             run_check(self.check, [*leaves, *program_state(self.model)], state)
         before = self.runs.count
+        compiled_before = len(self.reports)
         try:
             given = CALL_INPUTS.set(frozenset(id(leaf.tensor) for leaf in leaves if leaf.tensor is not None))
             try:
@@ -354,6 +367,14 @@ class GuardedCall:
         if not self.warned and self.reports and all(r.seq_len is None for r in self.reports):
             self.warned = True  # once per program: its first call compiled what it runs
             warnings.warn(not_sharded_message(dist.get_world_size(self.group), self.reports), NotSequenceParallel, 2)
+        if not self.warned_eager and len(self.reports) > compiled_before and isinstance(self.model, torch.nn.Module):
+            # Walked only when this call compiled something: a call's first run shows its eager code.
+            eager = params_used_in_eager(out, self.model.named_parameters())
+            if eager:
+                self.warned_eager = True
+                message = eager_params_message(dist.get_world_size(self.group), eager)
+                self.reports[-1].notes.append(message)
+                warnings.warn(message, RanInEager, 2)
         shapes = _shapes(leaves)
         if len(self.seen) < _MAX_SEEN and shapes not in self.seen:
             self.seen.append(shapes)
@@ -478,6 +499,7 @@ __all__ = [
     "GuardedCall",
     "InputMismatch",
     "NotSequenceParallel",
+    "RanInEager",
     "StepMismatch",
     "check_backward",
     "comm_failure_message",
