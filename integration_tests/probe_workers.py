@@ -104,7 +104,30 @@ def run_probes(
     return results
 
 
-__all__ = ["differences", "run_probes", "step"]
+def run_inference(
+    rank: int, world: int, probes: list[tuple[str, int, int]], variant: str
+) -> dict[tuple[str, int, int], dict[str, Any]]:
+    """Per probe, in eval under ``torch.no_grad()``: ``{"problems": [...], "sharded": [...]}``."""
+    results: dict[tuple[str, int, int], dict[str, Any]] = {}
+    for name, seq, batch in probes:
+        torch._dynamo.reset()
+        model = build(name, seq).eval()
+        args = inputs(name, seq, batch)
+        with torch.no_grad():
+            ref = model(*args)
+            compiled = autosp.compile(copy.deepcopy(model), variant=variant, backend="aot_eager")
+            with caches_off():
+                got = compiled(*args)
+        ref, got = ([out] if isinstance(out, torch.Tensor) else list(out) for out in (ref, got))
+        empty = {"grads": {}, "buffers": {}}
+        results[name, seq, batch] = {
+            "problems": differences({"outs": got, **empty}, {"outs": ref, **empty}),
+            "sharded": [r.seq_len for r in compiled.autosp_reports],
+        }
+    return results
+
+
+__all__ = ["differences", "run_inference", "run_probes", "step"]
 
 
 def run_lengths(

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 
 import pytest
 from harness import run_spmd
-from probe_workers import run_probes
+from probe_workers import run_inference, run_probes
 from spmd_pool import RankError, SPMDPool
 
 COMMON = [
@@ -182,6 +182,14 @@ def test_code_dynamo_runs_in_eager(pool: SPMDPool) -> None:
             assert r["sharded"] == [16, 16], f"{where}: {r['sharded']}"
             (message,) = r["ran_in_eager"]
             assert "4 parameter(s) of the model (eager." in message and "qkv.weight" in message, message
+    # In eval under no_grad torch's modules take their inference fast path, attention fused into one
+    # kernel no rule splits (the whole program then ran on every rank): off during AutoSP's calls.
+    probes = [EAGER[0], ("torch-mha-no-weights", 16, 2)]
+    for rank, results in enumerate(pool.run(run_inference, probes, "ulysses", timeout_s=600)):
+        assert not isinstance(results, RankError), results.traceback
+        encoder, mha = (results[p] for p in probes)
+        assert not encoder["problems"] and not mha["problems"], f"rank {rank}: {results}"
+        assert encoder["sharded"] == [None, 16] and mha["sharded"] == [16], f"rank {rank}: {results}"
 
 
 # Custom autograd.Functions: a gradient reversal; a clamped gradient (a backward not linear in the

@@ -293,7 +293,7 @@ def test_recompile_limit_raises_instead_of_running_eager():
     torch._dynamo.reset()
 
 
-def test_checkpointed_side_effects_and_nested_breaks_are_traced_during_the_call_only():
+def test_dynamo_and_fastpath_settings_hold_during_the_call_only():
     # transformers 5's hub-kernel layers set a Python variable inside HF's checkpointed layers: without
     # this setting Dynamo runs those layers in eager, outside every graph (test_hf_matrix.py has the model).
     seen = []
@@ -303,15 +303,17 @@ def test_checkpointed_side_effects_and_nested_breaks_are_traced_during_the_call_
     # in eager otherwise: test_probe_programs.py::test_code_dynamo_runs_in_eager).
     def record(gm, example_inputs):
         cfg = torch._dynamo.config
-        seen.append((cfg.skip_fwd_side_effects_in_bwd_under_checkpoint, cfg.nested_graph_breaks))
+        fastpath = torch.backends.mha.get_fastpath_enabled()  # fused attention no rule splits: off
+        seen.append((cfg.skip_fwd_side_effects_in_bwd_under_checkpoint, cfg.nested_graph_breaks, fastpath))
         return runs.wrap(gm.forward)
 
     torch._dynamo.reset()
     call = GuardedCall(torch.compile(_double, backend=record, dynamic=False), _double, None, None, runs)
     call(torch.ones(3))
-    assert seen == [(True, True)]
+    assert seen == [(True, True, False)]
     assert torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint is False
     assert torch._dynamo.config.nested_graph_breaks is False
+    assert torch.backends.mha.get_fastpath_enabled() is True
     torch._dynamo.reset()
 
 

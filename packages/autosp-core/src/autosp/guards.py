@@ -202,6 +202,13 @@ def _hard_dynamo_failures() -> Iterator[None]:
     code (``nested_graph_breaks``). Otherwise Dynamo runs the whole call that holds the break in
     eager: the encoder's layers ran outside every graph, whole on every rank, with nothing sharded.
 
+    The inference fast path of ``nn.TransformerEncoderLayer`` and ``nn.MultiheadAttention`` (taken in
+    eval under ``torch.no_grad()``) is switched off: it computes attention inside one fused kernel
+    (``aten._transformer_encoder_layer_fwd``), which no rule can split, so the whole program ran on
+    every rank. The other path computes the same function through SDPA (equal to fp32 rounding). A
+    module global, not a context variable: eager code in another thread during the call takes the
+    slow path too, with the same results.
+
     Set and restored by hand: ``config.patch`` costs ~0.1 ms a call, an attribute ~10 us. The
     values are context variables in torch 2.13, so other threads are not affected.
     """
@@ -217,11 +224,14 @@ def _hard_dynamo_failures() -> Iterator[None]:
     saved = [getattr(cfg, n) for n in names]
     for name, value in zip(names, (True, False, False, False, True, True)):
         setattr(cfg, name, value)
+    fastpath = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
     try:
         yield
     finally:
         for name, value in zip(names, saved):
             setattr(cfg, name, value)
+        torch.backends.mha.set_fastpath_enabled(fastpath)
 
 
 # The ids of the tensors the current guarded call was given (None outside one): the backend tells
