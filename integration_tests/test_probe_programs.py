@@ -182,6 +182,7 @@ def test_code_dynamo_runs_in_eager(pool: SPMDPool) -> None:
             assert r["sharded"] == [16, 16], f"{where}: {r['sharded']}"
             (message,) = r["ran_in_eager"]
             assert "4 parameter(s) of the model (eager." in message and "qkv.weight" in message, message
+            assert "attention (ScaledDotProduct" in message, message
     # In eval under no_grad torch's modules take their inference fast path, attention fused into one
     # kernel no rule splits (the whole program then ran on every rank): off during AutoSP's calls.
     probes = [EAGER[0], ("torch-mha-no-weights", 16, 2)]

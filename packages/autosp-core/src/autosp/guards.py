@@ -31,7 +31,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from autosp import arrivals, peer_failure
-from autosp.eager_params import eager_params_message, params_used_in_eager
+from autosp.eager_work import eager_work, eager_work_message
 from autosp.errors import AutoSPError, CollectiveFailure
 from autosp.input_check import (
     GradientMismatchError,
@@ -74,7 +74,7 @@ class NotSequenceParallel(UserWarning):
 
 
 class RanInEager(UserWarning):
-    """Parameters were used by code Dynamo ran in eager: that code ran whole on every rank (exact)."""
+    """Parameters or attention were used by code Dynamo ran in eager: it ran whole on every rank (exact)."""
 
 
 class AttentionNotSharded(UserWarning):
@@ -379,10 +379,10 @@ class GuardedCall:
             warnings.warn(not_sharded_message(dist.get_world_size(self.group), self.reports), NotSequenceParallel, 2)
         if not self.warned_eager and len(self.reports) > compiled_before and isinstance(self.model, torch.nn.Module):
             # Walked only when this call compiled something: a call's first run shows its eager code.
-            eager = params_used_in_eager(out, self.model.named_parameters())
+            eager = eager_work(out, self.model.named_parameters(), [leaf.tensor for leaf in leaves])
             if eager:
                 self.warned_eager = True
-                message = eager_params_message(dist.get_world_size(self.group), eager)
+                message = eager_work_message(dist.get_world_size(self.group), eager)
                 self.reports[-1].notes.append(message)
                 warnings.warn(message, RanInEager, 2)
         shapes = _shapes(leaves)
