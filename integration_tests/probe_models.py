@@ -369,6 +369,96 @@ class Mixers(LMBase):
         return self.lm_loss(x, ids)
 
 
+class Routes(LMBase):
+    """Tokens routed, sorted, resampled or counted over the whole sequence: MoE routing by expert
+    choice (top-k over the sequence) and by capacity (a running count of each expert's tokens),
+    Reformer's bucket sort, linear resampling, pooling windows, a strided conv and its transpose,
+    tokens paired by a reshape, the sequence's halves gating each other, a loss weighted by the
+    batch's label counts, and span extraction (a cross entropy over positions)."""
+
+    EXPERTS = 4
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.router = nn.Linear(DIM, self.EXPERTS)
+        self.expert = nn.Linear(DIM, DIM)
+        self.down = nn.Conv1d(DIM, DIM, 4, stride=2, padding=1)
+        self.up = nn.ConvTranspose1d(DIM, DIM, 4, stride=2, padding=1)
+        self.span = nn.Linear(DIM, 2)
+
+    def forward(self, ids, y):
+        x = self.embed(ids)
+        x = x + self.attn(self.ln(x))
+        B, S, D = x.shape
+        E = self.EXPERTS
+        if self.kind == "expert-choice":
+            gates, idx = self.router(x).softmax(-1).transpose(1, 2).topk(S // 4, dim=-1)  # [B, E, k] tokens
+            where = idx.unsqueeze(-1).expand(B, E, S // 4, D)
+            chosen = torch.gather(x.unsqueeze(1).expand(B, E, S, D), 2, where)
+            out = torch.zeros(B, E, S, D).scatter_add(2, where, torch.tanh(self.expert(chosen)) * gates.unsqueeze(-1))
+            x = x + out.sum(1)
+        elif self.kind == "capacity":
+            probs = self.router(x).softmax(-1)
+            top = probs.argmax(-1)
+            onehot = F.one_hot(top, E)
+            keep = ((onehot.cumsum(1) * onehot).sum(-1) <= S // 4).float()  # each expert takes its first S/4
+            x = x + torch.tanh(self.expert(x)) * (probs.gather(-1, top.unsqueeze(-1)).squeeze(-1) * keep).unsqueeze(-1)
+        elif self.kind in ("bucket-sort", "bucket-sdpa"):
+            order = (self.router(x).argmax(-1) * S + torch.arange(S)).argsort(dim=1)
+            xs = x.gather(1, order.unsqueeze(-1).expand(B, S, D)).view(B, S // 4, 4, D)
+            # Attention within each chunk of 4 (the chunks where SDPA expects heads), written out or SDPA.
+            if self.kind == "bucket-sdpa":
+                ys = F.scaled_dot_product_attention(xs, xs, xs)
+            else:
+                ys = ((xs @ xs.transpose(-1, -2)) / D**0.5).softmax(-1) @ xs
+            back = order.argsort(dim=1).unsqueeze(-1).expand(B, S, D)
+            x = x + ys.reshape(B, S, D).gather(1, back)
+        elif self.kind == "resample":
+            half = F.interpolate(x.transpose(1, 2), scale_factor=0.5, mode="linear")
+            x = x + F.interpolate(half, size=S, mode="linear", align_corners=True).transpose(1, 2)
+        elif self.kind == "pool-windows":
+            t = x.transpose(1, 2)
+            x = x + (F.avg_pool1d(t, 3, 1, 1) + F.max_pool1d(t, 5, 1, 2)).transpose(1, 2)
+        elif self.kind == "conv-transpose":
+            x = x + self.up(torch.relu(self.down(x.transpose(1, 2)))).transpose(1, 2)
+        elif self.kind == "pairs":
+            pairs = self.expert(x).reshape(B, S // 2, 2 * D)
+            x = x + (pairs[..., :D] * pairs[..., D:]).repeat_interleave(2, dim=1)
+        elif self.kind == "halves":
+            a, b = x.chunk(2, dim=1)
+            gated = a * torch.sigmoid(b)
+            x = x + torch.cat([gated, gated.flip(1)], 1)
+        elif self.kind == "label-counts":
+            target = ids[:, 1:].reshape(-1)
+            weight = (1.0 / torch.bincount(target, minlength=VOCAB).float())[target]
+            token = F.cross_entropy(self.head(x)[:, :-1].reshape(-1, VOCAB), target, reduction="none")
+            return (token * weight).sum() / weight.sum()
+        elif self.kind == "span":  # HF *ForQuestionAnswering: positions past the end are ignored
+            start_logits, end_logits = self.span(x).unbind(-1)
+            start = ids[:, 0] % S
+            end = torch.cat([torch.full((1,), S + 3), (start[1:] + 1) % S]).clamp(0, S)  # row 0's: ignored
+            return (
+                F.cross_entropy(start_logits, start, ignore_index=S) + F.cross_entropy(end_logits, end, ignore_index=S)
+            ) / 2
+        return self.lm_loss(x, ids)
+
+
+ROUTES = (
+    "expert-choice",
+    "capacity",
+    "bucket-sort",
+    "bucket-sdpa",
+    "resample",
+    "pool-windows",
+    "conv-transpose",
+    "pairs",
+    "halves",
+    "label-counts",
+    "span",
+)
+
+
 class InPlace(LMBase):
     """In-place updates of activations: a masked position zeroed, a running add, a scaled slice."""
 
@@ -413,6 +503,7 @@ BUILDERS: dict[str, Callable[[int], nn.Module]] = {
         f"mix-{k}": (lambda s, k=k: Mixers(k))
         for k in ("fnet", "causal-conv", "gru", "position-loop", "flip-roll", "cummax", "ctc", "median")
     },
+    **{f"route-{k}": (lambda s, k=k: Routes(k)) for k in ROUTES},
     **{
         f"select-{k}": (lambda s, k=k: Selections(k))
         for k in (

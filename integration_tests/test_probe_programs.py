@@ -27,6 +27,7 @@ from collections.abc import Iterator
 
 import pytest
 from harness import run_spmd
+from probe_models import ROUTES
 from probe_workers import run_inference, run_probes
 from spmd_pool import RankError, SPMDPool
 
@@ -191,6 +192,27 @@ def test_code_dynamo_runs_in_eager(pool: SPMDPool) -> None:
         encoder, mha = (results[p] for p in probes)
         assert not encoder["problems"] and not mha["problems"], f"rank {rank}: {results}"
         assert encoder["sharded"] == [None, 16] and mha["sharded"] == [16], f"rank {rank}: {results}"
+
+
+# Tokens routed, sorted, resampled or counted over the whole sequence (the seventh round).
+ROUTED = [f"route-{k}" for k in ROUTES]
+
+
+@pytest.mark.parametrize(
+    ("variant", "world", "seq", "names"),
+    [
+        # Attention over chunks of a sorted sequence, 3 chunks where SDPA expects heads: hybrid once
+        # refused it (3 heads do not split over its ulysses groups of 2); it is no sequence attention.
+        ("hybrid", 4, 12, ["route-bucket-sort", "route-bucket-sdpa"]),
+        pytest.param("hybrid", 4, 12, ROUTED, marks=pytest.mark.extended(covered_by="test_routed_sequences")),
+        pytest.param("ulysses", 2, 16, ROUTED, marks=pytest.mark.extended(covered_by="test_routed_sequences")),
+        pytest.param("ring", 3, 24, ROUTED, marks=pytest.mark.extended(covered_by="test_routed_sequences")),
+    ],
+)
+def test_routed_sequences(variant: str, world: int, seq: int, names: list[str]) -> None:
+    probes = [(n, seq, 2) for n in names]
+    for where, r in _exact(run_spmd(run_probes, world, probes, variant), probes, f"{variant} P={world}"):
+        assert r["sharded"] and all(r["sharded"]), f"{where}: {r['sharded']}"
 
 
 # Custom autograd.Functions: a gradient reversal; a clamped gradient (a backward not linear in the

@@ -15,7 +15,7 @@ from autosp.analysis.attention import AttentionSite
 from autosp.hardware import CommModel, HardwareProfile, Interconnect
 from autosp.hardware_io import save
 from autosp.lowering import SDPA
-from autosp.passes.choose_variant import choose
+from autosp.passes.choose_variant import choose, sequence_sites
 from autosp.registry import get_registry
 
 pytest.importorskip("autosp_ring", reason="auto chooses among ulysses, ring and hybrid; autosp-ring is not installed")
@@ -183,3 +183,13 @@ def test_hybrid_without_degrees_compiles_with_the_chosen_degree(fake_four_ranks)
     assert report.variant == "hybrid(ulysses_degree=2) (chosen by variant='hybrid')"
     assert "hybrid: ulysses_degree=2 x ring_degree=2" in report.notes
     assert report.collectives["ring_attention"] == 1  # the ring variant's own pass saw the chosen variant
+
+
+def test_attention_over_a_shorter_length_decides_nothing():
+    # Chunks of a sorted sequence where SDPA expects heads (3 of them, over 4 tokens each): no
+    # sequence attention, computed by the engine's rules; hybrid's degree is the sequence's sites'.
+    chunks = site(3, seq=4)
+    choice = choose(ctx([site(8, 2), chunks], 4, FAST_A2A), only="hybrid")
+    assert [e.label for e in choice.candidates] == ["hybrid(ulysses_degree=2)"]
+    assert sequence_sites(ctx([site(8, 2), chunks], 4, FAST_A2A)) == [site(8, 2)]
+    # Without the fix hybrid had no degree: none divides both 8 and 3 heads.

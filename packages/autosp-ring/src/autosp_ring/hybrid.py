@@ -19,6 +19,7 @@ from autosp.analysis.attention import AttentionSite
 from autosp.context import CompileContext
 from autosp.errors import AutoSPError, ConfigError
 from autosp.options import group_timeout
+from autosp.passes.core import leave_to_engine
 from autosp.sharding import collectives as C
 from autosp.sharding.context import SPContext, SPValue
 from autosp.sharding.placement import SeqAxis, Shard
@@ -68,8 +69,11 @@ def make_groups(ctx: CompileContext) -> Groups:
     by later compiles, since creating one is itself a collective.
     """
     u = ulysses_degree(ctx.options.variant_options, ctx.world)
-    for site in ctx.sites:
-        _check_heads(site, u)
+    for site in list(ctx.sites):
+        try:
+            _check_heads(site, u)
+        except AutoSPError as e:
+            leave_to_engine(ctx, site, e)  # raises for attention over the sequence
     key = (ctx.group_name, u)
     if key not in _GROUPS:
         ranks = dist.get_process_group_ranks(ctx.group)

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 
 from autosp import variant_cost as cost
+from autosp.analysis.attention import AttentionSite
 from autosp.context import CompileContext
 from autosp.errors import AutoSPError, ConfigError
 from autosp.passes.manager import Pass, Stage
@@ -50,9 +51,28 @@ class Choice:
     asked: str = AUTO
 
 
+def _length(n: int | torch.SymInt) -> int | None:
+    value = n.node.maybe_as_int() if isinstance(n, torch.SymInt) else n
+    return value if isinstance(value, int) else None
+
+
+def sequence_sites(ctx: CompileContext) -> list[AttentionSite]:
+    """The sites over the graph's longest length: the ones a variant rewrites.
+
+    Attention over a shorter length (a chunk of a sorted sequence, pooled tokens) is computed by the
+    engine's rules once the sequence is settled (``core._longest``, ``core.leave_to_engine``): it
+    decides no variant nor its degrees. With a symbolic length among them, all of them.
+    """
+    lengths = [_length(s.seq_len) for s in ctx.sites]
+    known = [n for n in lengths if n is not None]
+    if len(known) < len(lengths) or not known:
+        return list(ctx.sites)
+    return [s for s, n in zip(ctx.sites, lengths) if n == max(known)]
+
+
 def _accepts(variant: SPVariant, ctx: CompileContext) -> str | None:
     """Why ``variant`` refuses a site of this graph, or None."""
-    for site in ctx.sites:
+    for site in sequence_sites(ctx):
         if not site.spec.rewritten_by(variant.name):
             continue  # runs whole under this variant: exact, so no reason to leave the variant out
         try:
@@ -76,17 +96,18 @@ def candidates(ctx: CompileContext, only: str | None = None) -> tuple[list[cost.
         if why is not None:
             excluded.append(f"{name}: {why}")
             continue
+        sites = sequence_sites(ctx)
         if name == "ulysses":
-            found.append(cost.ulysses(ctx.sites, ctx.world, ctx.hardware))
+            found.append(cost.ulysses(sites, ctx.world, ctx.hardware))
         elif name == "ring":
-            found.append(cost.ring(ctx.sites, ctx.world, ctx.hardware))
+            found.append(cost.ring(sites, ctx.world, ctx.hardware))
         else:
-            degrees = cost.hybrid_degrees(ctx.sites, ctx.world)
+            degrees = cost.hybrid_degrees(sites, ctx.world)
             if not degrees:
                 excluded.append(
                     f"hybrid: no ulysses_degree strictly between 1 and {ctx.world} divides sp_size and every head count"
                 )
-            found += [cost.hybrid(ctx.sites, ctx.world, ctx.hardware, u) for u in degrees]
+            found += [cost.hybrid(sites, ctx.world, ctx.hardware, u) for u in degrees]
     if only is None:
         excluded += [f"{n}: no cost model" for n in installed if n not in PREFERENCE]
     return found, excluded

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import math
 import warnings
+from typing import Any
 
 import torch
 
-from autosp.analysis.attention import find_attention_sites, hint
+from autosp.analysis.attention import AttentionSite, find_attention_sites, hint
 from autosp.analysis.eager import (
     EagerRegion,
     find_eager_regions,
@@ -61,6 +62,34 @@ def _drop_sites_not_splitting_evenly(ctx: CompileContext) -> None:
                 f"attention {site.name}: its length {length} is not divisible by sp_size={ctx.world}, so no variant "
                 "splits it; computed by query rows or whole on every rank (exact)"
             )
+
+
+def _check_sites(ctx: CompileContext, seq: int | torch.SymInt) -> None:
+    """The variant's requirements (heads that split over the ranks), refused for attention over the
+    sequence. Attention over another length (a chunk of a sorted or blocked sequence, found written
+    out) is no sequence attention: where the variant cannot take it, the engine's rules compute it
+    (each rank's query rows, or whole on every rank), exact, as for attention that does not split."""
+    for site in list(ctx.sites):
+        try:
+            ctx.variant.check(site, ctx.world)
+        except AutoSPError as e:
+            leave_to_engine(ctx, site, e, seq)
+
+
+def leave_to_engine(ctx: CompileContext, site: AttentionSite, error: AutoSPError, seq: Any = None) -> None:
+    """``error`` (the variant cannot take ``site``) raised for attention over the sequence; for attention
+    over another length, the site is dropped and the engine's rules compute it, exact, and the report says so.
+
+    For variants that check their sites in ``prepare`` too (hybrid's heads per ulysses group).
+    """
+    length, whole = _concrete(site.seq_len), _concrete(ctx.seq_len if seq is None else seq)
+    if not (isinstance(length, int) and isinstance(whole, int) and length != whole):
+        raise error
+    ctx.sites.remove(site)
+    ctx.report.notes.append(
+        f"attention {site.name} over length {length}, not the sequence's {whole}: the variant does not take "
+        f"it ({str(error).split(';')[0]}); computed by query rows or whole on every rank (exact)"
+    )
 
 
 def _concrete(n: int | torch.SymInt) -> int | torch.SymInt:
@@ -226,8 +255,7 @@ def _settle_sequence(ctx: CompileContext, lengths: list, written_out: list[Eager
         raise AutoSPError(_not_divisible(ctx, seq))
     _drop_sites_not_rewritten(ctx)
     _drop_sites_not_splitting_evenly(ctx)
-    for site in ctx.sites:
-        ctx.variant.check(site, ctx.world)
+    _check_sites(ctx, seq)
     ctx.seq_len = seq
     ctx.report.seq_len = hint(seq)
     for name, x, param in zip(ctx.input_names, ctx.fake_inputs, ctx.is_param):
@@ -477,4 +505,4 @@ PASSES = (
     Pass("autosp.dce_backward", Stage.BACKWARD, eliminate_dead_code, doc="drop dead recompute"),
 )
 
-__all__ = ["PASSES", "eliminate_dead_code", "find_attention", "lower", "shard"]
+__all__ = ["PASSES", "eliminate_dead_code", "find_attention", "leave_to_engine", "lower", "shard"]
