@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any
 
 import torch
 
@@ -64,25 +63,15 @@ def _drop_sites_not_splitting_evenly(ctx: CompileContext) -> None:
             )
 
 
-def _check_sites(ctx: CompileContext, seq: int | torch.SymInt) -> None:
-    """The variant's requirements (heads that split over the ranks), refused for attention over the
-    sequence. Attention over another length (a chunk of a sorted or blocked sequence, found written
-    out) is no sequence attention: where the variant cannot take it, the engine's rules compute it
-    (each rank's query rows, or whole on every rank), exact, as for attention that does not split."""
-    for site in list(ctx.sites):
-        try:
-            ctx.variant.check(site, ctx.world)
-        except AutoSPError as e:
-            leave_to_engine(ctx, site, e, seq)
-
-
-def leave_to_engine(ctx: CompileContext, site: AttentionSite, error: AutoSPError, seq: Any = None) -> None:
+def leave_to_engine(ctx: CompileContext, site: AttentionSite, error: AutoSPError) -> None:
     """``error`` (the variant cannot take ``site``) raised for attention over the sequence; for attention
-    over another length, the site is dropped and the engine's rules compute it, exact, and the report says so.
+    over another length (a chunk of a sorted sequence, found written out), the site is dropped and the
+    engine's rules compute it (each rank's query rows, or whole), exact, and the report says so.
 
-    For variants that check their sites in ``prepare`` too (hybrid's heads per ulysses group).
+    For variants that check their sites in ``prepare``, once the sequence is settled (hybrid's heads
+    per ulysses group, whose degree is chosen after the written attention became SDPA sites).
     """
-    length, whole = _concrete(site.seq_len), _concrete(ctx.seq_len if seq is None else seq)
+    length, whole = _concrete(site.seq_len), _concrete(ctx.seq_len)
     if not (isinstance(length, int) and isinstance(whole, int) and length != whole):
         raise error
     ctx.sites.remove(site)
@@ -255,7 +244,8 @@ def _settle_sequence(ctx: CompileContext, lengths: list, written_out: list[Eager
         raise AutoSPError(_not_divisible(ctx, seq))
     _drop_sites_not_rewritten(ctx)
     _drop_sites_not_splitting_evenly(ctx)
-    _check_sites(ctx, seq)
+    for site in ctx.sites:
+        ctx.variant.check(site, ctx.world)
     ctx.seq_len = seq
     ctx.report.seq_len = hint(seq)
     for name, x, param in zip(ctx.input_names, ctx.fake_inputs, ctx.is_param):
