@@ -194,24 +194,39 @@ def test_code_dynamo_runs_in_eager(pool: SPMDPool) -> None:
         assert encoder["sharded"] == [None, 16] and mha["sharded"] == [16], f"rank {rank}: {results}"
 
 
+@pytest.mark.extended(covered_by="test_code_dynamo_runs_in_eager")
+def test_torch_encoder_on_four_ranks_under_inductor() -> None:
+    # The encoder's layers, compiled after the break inside it, over 4 ranks (one head each) under Inductor.
+    probes = [EAGER[0]]
+    per_rank = run_spmd(run_probes, 4, probes, "ulysses", "inductor", {"fullgraph": False})
+    for where, r in _exact(per_rank, probes, "ulysses inductor P=4"):
+        assert r["sharded"] == [None, 16] and not r["ran_in_eager"], f"{where}: {r}"
+
+
 # Tokens routed, sorted, resampled or counted over the whole sequence (the seventh round).
 ROUTED = [f"route-{k}" for k in ROUTES]
 
 
+BUCKETS = ["route-bucket-sort", "route-bucket-sdpa"]
+_EXTENDED = pytest.mark.extended(covered_by="test_routed_sequences")
+
+
 @pytest.mark.parametrize(
-    ("variant", "world", "seq", "names"),
+    ("variant", "world", "seq", "names", "backend"),
     [
         # Attention over chunks of a sorted sequence, 3 chunks where SDPA expects heads: hybrid once
         # refused it (3 heads do not split over its ulysses groups of 2); it is no sequence attention.
-        ("hybrid", 4, 12, ["route-bucket-sort", "route-bucket-sdpa"]),
-        pytest.param("hybrid", 4, 12, ROUTED, marks=pytest.mark.extended(covered_by="test_routed_sequences")),
-        pytest.param("ulysses", 2, 16, ROUTED, marks=pytest.mark.extended(covered_by="test_routed_sequences")),
-        pytest.param("ring", 3, 24, ROUTED, marks=pytest.mark.extended(covered_by="test_routed_sequences")),
+        ("hybrid", 4, 12, BUCKETS, "aot_eager"),
+        pytest.param("hybrid", 4, 12, BUCKETS, "inductor", marks=_EXTENDED),
+        pytest.param("hybrid", 4, 12, ROUTED, "aot_eager", marks=_EXTENDED),
+        pytest.param("ulysses", 2, 16, ROUTED, "aot_eager", marks=_EXTENDED),
+        pytest.param("ring", 3, 24, ROUTED, "aot_eager", marks=_EXTENDED),
     ],
 )
-def test_routed_sequences(variant: str, world: int, seq: int, names: list[str]) -> None:
+def test_routed_sequences(variant: str, world: int, seq: int, names: list[str], backend: str) -> None:
     probes = [(n, seq, 2) for n in names]
-    for where, r in _exact(run_spmd(run_probes, world, probes, variant), probes, f"{variant} P={world}"):
+    per_rank = run_spmd(run_probes, world, probes, variant, backend)
+    for where, r in _exact(per_rank, probes, f"{variant} {backend} P={world}"):
         assert r["sharded"] and all(r["sharded"]), f"{where}: {r['sharded']}"
 
 
