@@ -580,7 +580,7 @@ def inputs(name: str, seq: int = 16, batch: int = 2) -> tuple[torch.Tensor, ...]
         "written-dropout",
         "landmarks",
         "wide-value-heads",
-    ):
+    ) or name.startswith("hook-"):
         return (ids,)
     return ids, y
 
@@ -1417,6 +1417,54 @@ class WideValueHeads(LMBase):
         v = self.v(x).view(B, S, HEADS, 2 * HD).transpose(1, 2)
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.lm_loss(x + self.o(a.transpose(1, 2).reshape(B, S, 2 * DIM)), ids)
+
+
+class GradientHooks(LMBase):
+    """Gradient hooks (``Tensor.register_hook``) on activations, none of them token-wise.
+
+    ``order``: two hooks on one value that do not commute (a clamp, then the mean over the sequence
+    taken out), the value also read before they are registered (that gradient reaches them too);
+    ``captured``: a hook scaled by a tensor computed from the value itself (detached) and normalised
+    by the largest gradient along the sequence; ``checkpointed``: a norm-scaled hook inside a
+    ``torch.utils.checkpoint``ed layer. Once a crash while lowering ("cannot register a hook on a
+    tensor that doesn't require gradient"); run on a rank's shard they would compute other values.
+    ``module``: a module's full backward hook (the attention's input gradient norm-scaled) and a
+    backward pre-hook (the mean over the sequence taken out of the head's output gradient); once an
+    ``UnboundLocalError`` from Dynamo's nested graph breaks."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.mlp = nn.Linear(DIM, DIM)
+        if kind == "module":
+            self.attn.register_full_backward_hook(lambda m, gin, gout: (gin[0] / (gin[0].norm() + 1e-6), *gin[1:]))
+            self.head.register_full_backward_pre_hook(lambda m, gout: (gout[0] - gout[0].mean(1, keepdim=True),))
+
+    def layer(self, x):
+        h = x + self.attn(self.ln(x))
+        if self.kind == "checkpointed":
+            h.register_hook(lambda g: g / (g.norm() + 1e-6))
+        return h
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        if self.kind == "checkpointed":
+            x = torch.utils.checkpoint.checkpoint(self.layer, x, use_reentrant=False)
+        else:
+            x = self.layer(x)
+        if self.kind == "order":
+            y = self.mlp(x)
+            x.register_hook(lambda g: (g * 3).clamp(-2e-3, 2e-3))
+            x.register_hook(lambda g: g - g.mean(1, keepdim=True))
+            x = x + y
+        if self.kind == "captured":
+            scale = self.mlp(x).detach().abs().mean()
+            x.register_hook(lambda g: g * scale / (g.abs().amax(1, keepdim=True) + 1e-6))
+        return self.lm_loss(x, ids)
+
+
+HOOKS = ("order", "captured", "checkpointed", "module")
+BUILDERS.update({f"hook-{k}": (lambda s, k=k: GradientHooks(k)) for k in HOOKS})
 
 
 BUILDERS.update(

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 
 import pytest
 from harness import run_spmd
-from probe_models import ROUTES
+from probe_models import HOOKS, ROUTES
 from probe_workers import run_inference, run_probes
 from spmd_pool import RankError, SPMDPool
 
@@ -276,6 +276,41 @@ def test_every_custom_autograd_function_probe_on_two_ranks(pool: SPMDPool) -> No
 def test_custom_autograd_functions_on_four_ranks(variant: str, backend: str) -> None:
     per_rank = run_spmd(run_probes, 4, FUNCTIONS, variant, backend, {"sac": True})
     _functions_exact(per_rank, FUNCTIONS, f"{variant} {backend} P=4")
+
+
+# Gradient hooks registered inside the compiled code (probe_models.GradientHooks): each runs whole on
+# every rank, on the true gradient, in registration order (autosp.tensor_hooks).
+HOOK_PROBES = [(f"hook-{k}", 16, 2) for k in HOOKS]
+
+
+def _hooks_exact(per_rank: list, probes: list, what: str) -> None:
+    for where, r in _exact(per_rank, probes, what):
+        if "hook-module" in where:
+            # torch's hook setup breaks the graph around each hooked module: its hooks run in eager on
+            # the gradient that crosses the break, whole. The attention's forward is compiled as a
+            # frame of its own, sequence-parallel; the hooked nn.Linear head runs in eager, said so.
+            assert r["sharded"][-1], f"{where}: {r['sharded']}"
+            (eager,) = r["ran_in_eager"]
+            assert "(head.bias, head.weight)" in eager and "attn." not in eager, f"{where}: {eager}"
+            continue
+        assert r["sharded"] and all(r["sharded"]), f"{where}: {r['sharded']}"
+        assert any("gradient hook (Tensor.register_hook) runs whole" in f for f in r["fallbacks"]), where
+
+
+def test_gradient_hooks_see_the_true_gradient(pool: SPMDPool) -> None:
+    # Not fullgraph: a module's backward hooks break the graph (Dynamo refuses them under fullgraph).
+    per_rank = pool.run(run_probes, HOOK_PROBES, "ulysses", "aot_eager", {"fullgraph": False}, timeout_s=600)
+    _hooks_exact(per_rank, HOOK_PROBES, "ulysses")
+
+
+@pytest.mark.parametrize(
+    ("variant", "world", "seq", "backend"), [("ring", 3, 24, "aot_eager"), ("hybrid", 4, 16, "inductor")]
+)
+@pytest.mark.extended(covered_by="test_gradient_hooks_see_the_true_gradient")
+def test_gradient_hooks_under_other_variants(variant: str, world: int, seq: int, backend: str) -> None:
+    probes = [(name, seq, batch) for name, _, batch in HOOK_PROBES]
+    per_rank = run_spmd(run_probes, world, probes, variant, backend, {"fullgraph": False})
+    _hooks_exact(per_rank, probes, f"{variant} {backend} P={world}")
 
 
 def test_length_not_divisible_is_refused(pool: SPMDPool) -> None:

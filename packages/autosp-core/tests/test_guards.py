@@ -317,6 +317,47 @@ def test_dynamo_and_fastpath_settings_hold_during_the_call_only():
     torch._dynamo.reset()
 
 
+class _Scale(torch.nn.Module):
+    def forward(self, x):
+        return x * 3
+
+
+@pytest.mark.filterwarnings("ignore:Using `torch.compile(module)` when there are global hooks")
+def test_nested_graph_breaks_stay_off_while_a_module_has_backward_hooks():
+    # Dynamo 2.13 cannot resume a break inside the list comprehension of torch's backward-hook setup
+    # with nested breaks on: an UnboundLocalError, for plain torch.compile too (probe "hook-module").
+    seen = []
+    runs = GraphRuns()
+
+    def record(gm, example_inputs):
+        seen.append(torch._dynamo.config.nested_graph_breaks)
+        return runs.wrap(gm.forward)
+
+    x = torch.ones(3, requires_grad=True)
+    for register in ("register_full_backward_hook", "register_full_backward_pre_hook"):
+        model = _Scale()
+        handle = getattr(model, register)(lambda *a: None)
+        torch._dynamo.reset()
+        seen.clear()
+        call = GuardedCall(torch.compile(model, backend=record, dynamic=False), model, None, None, runs)
+        call(x).sum().backward()
+        assert seen and not any(seen), (register, seen)
+        handle.remove()
+        torch._dynamo.reset()
+        seen.clear()
+        call(x)  # the hook removed: nested breaks are back on
+        assert seen and all(seen), (register, seen)
+    handle = torch.nn.modules.module.register_module_full_backward_hook(lambda *a: None)
+    try:
+        torch._dynamo.reset()
+        seen.clear()
+        call(x)
+        assert seen and not any(seen), seen
+    finally:
+        handle.remove()
+    torch._dynamo.reset()
+
+
 def test_suppressed_errors_do_not_turn_autosp_errors_into_eager():
     def refuse(gm, example_inputs):
         raise AutoSPError("no attention site (stand-in for any AutoSP refusal)")

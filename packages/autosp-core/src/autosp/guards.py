@@ -175,8 +175,19 @@ def recompile_message(leaves: Sequence[Leaf], seen: Sequence[str]) -> str:
     )
 
 
+def _module_backward_hooks(model: Any) -> bool:
+    """Whether a module's backward hooks run in this call (``register_full_backward_hook``, ...)."""
+    from torch.nn.modules import module as nn_module
+
+    if nn_module._global_backward_hooks or nn_module._global_backward_pre_hooks:
+        return True
+    return isinstance(model, torch.nn.Module) and any(
+        m._backward_hooks or m._backward_pre_hooks for m in model.modules()
+    )
+
+
 @contextlib.contextmanager
-def _hard_dynamo_failures() -> Iterator[None]:
+def _hard_dynamo_failures(nested: bool = True) -> Iterator[None]:
     """Dynamo's recompile limit and compile errors raise instead of falling back to eager, a
     DDP-wrapped model is traced whole, and module hooks are guarded.
 
@@ -201,6 +212,10 @@ def _hard_dynamo_failures() -> Iterator[None]:
     ``nn.TransformerEncoder`` reads ``.item()`` to tell whether its mask is causal) resumes inside that
     code (``nested_graph_breaks``). Otherwise Dynamo runs the whole call that holds the break in
     eager: the encoder's layers ran outside every graph, whole on every rank, with nothing sharded.
+    ``nested=False`` leaves it off: a module with backward hooks breaks the graph inside a list
+    comprehension of torch's hook setup, which Dynamo 2.13 cannot resume (an ``UnboundLocalError``;
+    plain ``torch.compile`` fails the same way with nested breaks on). That module's call then runs
+    in eager, which ``autosp.RanInEager`` reports.
 
     The inference fast path of ``nn.TransformerEncoderLayer`` and ``nn.MultiheadAttention`` (taken in
     eval under ``torch.no_grad()``) is switched off: it computes attention inside one fused kernel
@@ -222,7 +237,7 @@ def _hard_dynamo_failures() -> Iterator[None]:
         "nested_graph_breaks",
     )
     saved = [getattr(cfg, n) for n in names]
-    for name, value in zip(names, (True, False, False, False, True, True)):
+    for name, value in zip(names, (True, False, False, False, True, nested)):
         setattr(cfg, name, value)
     fastpath = torch.backends.mha.get_fastpath_enabled()
     torch.backends.mha.set_fastpath_enabled(False)
@@ -334,7 +349,7 @@ class GuardedCall:
         try:
             given = CALL_INPUTS.set(frozenset(id(leaf.tensor) for leaf in leaves if leaf.tensor is not None))
             try:
-                with _hard_dynamo_failures():
+                with _hard_dynamo_failures(nested=not _module_backward_hooks(self.model)):
                     out = self.fn(*args, **kwargs)
             except BaseException as e:
                 # Raised between graphs too (code Dynamo runs in eager): the others wait in the next.

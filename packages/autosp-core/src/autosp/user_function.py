@@ -43,6 +43,7 @@ class Body:
     saved_from: tuple[tuple[str, int] | None, ...]
     non_differentiable: frozenset[int]
     draws: tuple[str, ...] = ()  # the random ops its forward runs (aten names)
+    what: str = "a custom torch.autograd.Function"  # for the report (autosp.tensor_hooks keeps hooks as bodies)
 
 
 BODIES: dict[str, Body] = {}

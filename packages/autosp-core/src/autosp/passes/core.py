@@ -31,6 +31,7 @@ from autosp.sharding import collectives as C
 from autosp.sharding.context import SPContext
 from autosp.sharding.dims import guess_seq_dim
 from autosp.sharding.propagate import shard_graph
+from autosp.tensor_hooks import keep_tensor_hooks
 from autosp.user_function import keep_user_functions
 
 
@@ -105,6 +106,12 @@ def find_attention(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
         ctx.report.notes.append(
             f"{functions} custom torch.autograd.Function call(s) run whole on every rank with the user's backward "
             "(inputs gathered; exact, no memory saving for them)"
+        )
+    hooks = keep_tensor_hooks(gm, user_line)
+    if hooks:
+        ctx.report.notes.append(
+            f"{hooks} gradient hook(s) (Tensor.register_hook) run whole on every rank on the true gradient "
+            "(the hooked values gathered; exact, no memory saving for them)"
         )
     # Attention written out by hand is found after lowering (``autosp.lower``), where it is canonical.
     ctx.sites = find_attention_sites(gm, _specs(ctx))

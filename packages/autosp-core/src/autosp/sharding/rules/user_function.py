@@ -29,7 +29,7 @@ def _differentiable(t: torch.Tensor) -> bool:
 @rule(USER_FUNCTION)
 def user_function_rule(ctx: SPContext, node: torch.fx.Node, args: tuple, kwargs: dict) -> Any:
     tensors, key = args
-    why = f"{node.name}: a custom torch.autograd.Function runs whole on every rank"
+    why = f"{node.name}: {BODIES[key].what} runs whole on every rank"
     whole = [to_replicate(ctx, v, why) if isinstance(v, SPValue) else v for v in tensors]
     local = [v.local if isinstance(v, SPValue) else v for v in whole]
     given = [C.grad_once(t, ctx.rank == 0) if _differentiable(t) else t for t in local]
