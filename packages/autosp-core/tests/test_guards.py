@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import logging
 import math
 import re
 from datetime import timedelta
@@ -387,6 +388,33 @@ def test_recompiles_from_a_plain_value_name_that_value():
     msg = str(e.value)
     assert "this call (x [3] with n=3)" in msg and "x [3] with n=1; x [3] with n=2" in msg, msg
     assert "a plain value differs (n=3)" in msg and "torch.tensor(n)" in msg, msg
+    torch._dynamo.reset()
+
+
+class _Counted(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.step = 0
+
+    def forward(self, x):
+        self.step += 1  # an int attribute: Dynamo specialises on it, a graph per value
+        return x * self.step
+
+
+def test_recompiles_from_a_module_attribute_name_it_not_the_lengths():
+    """Same inputs every call, a step counter on the module: the message gives Dynamo's reason."""
+    call = _guarded(_Counted())
+    with torch._dynamo.config.patch(recompile_limit=2):
+        for _ in range(2):
+            call(torch.ones(3))
+        with pytest.raises(EagerFallback) as e:
+            call(torch.ones(3))
+    msg = str(e.value)
+    assert "Its inputs are an earlier call's" in msg and "Dynamo's reason: " in msg, msg
+    assert "self.step == 1" in msg and "in a tensor (a buffer)" in msg, msg
+    assert "mark_dynamic" not in msg, msg  # the lengths did not change: no advice about them
+    handlers = logging.getLogger("torch._dynamo.convert_frame").handlers
+    assert not [h for h in handlers if type(h).__name__ == "_RecompileReason"], "the capture outlived the call"
     torch._dynamo.reset()
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import logging
 import re
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -155,7 +156,36 @@ def _changed_values(now: str, seen: Sequence[str]) -> str:
     )
 
 
-def recompile_message(leaves: Sequence[Leaf], seen: Sequence[str]) -> str:
+class _RecompileReason(logging.Handler):
+    """Keeps Dynamo's reason for the recompile that hit the limit: Dynamo only logs it."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.last: str | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if isinstance(record.msg, str) and record.msg.startswith("torch._dynamo hit config.") and record.args:
+            args = record.args if isinstance(record.args, tuple) else ()
+            if len(args) >= 4 and args[3]:
+                self.last = " ".join(str(args[3]).split())[:600]
+
+
+_DYNAMO_LOG = logging.getLogger("torch._dynamo.convert_frame")
+
+
+def _same_inputs(now: str, seen: Sequence[str], reason: str | None) -> str:
+    """Why a call with an earlier call's inputs exactly still needs a graph: something else it reads."""
+    if now not in seen:
+        return ""
+    return (
+        "Its inputs are an earlier call's, so the code recompiles for something else it reads: an int or "
+        "float attribute of a module that changes (a step counter: self.step += 1), a global, a Python flag"
+        + (f"; Dynamo's reason: {reason}" if reason else "")
+        + ". Keep such a value in a tensor (a buffer) or constant across calls. "
+    )
+
+
+def recompile_message(leaves: Sequence[Leaf], seen: Sequence[str], reason: str | None = None) -> str:
     limit = torch._dynamo.config.recompile_limit
     tensors = [leaf for leaf in leaves if leaf.tensor is not None and leaf.tensor.dim() > 0]
     example = "input_ids, 1"
@@ -164,11 +194,17 @@ def recompile_message(leaves: Sequence[Leaf], seen: Sequence[str]) -> str:
         example = f"{t.path}, {1 if t.tensor is not None and t.tensor.dim() > 1 else 0}"
     earlier = "; ".join(seen) if seen else "none recorded"
     now = _shapes(leaves)
-    return (
+    what = (
         f"Dynamo's recompile limit is reached (torch._dynamo.config.recompile_limit={limit}): this call "
         f"({now or 'no tensor inputs'}) needs another graph, and Dynamo would run it and every later "
         "new shape in eager, without sequence parallelism and with the whole sequence's memory on every rank. "
-        f"Inputs of the earlier calls: {earlier}. {_changed_values(now, seen)}Mark the sequence length "
+        f"Inputs of the earlier calls: {earlier}. "
+    )
+    same = _same_inputs(now, seen, reason)
+    if same:
+        return what + same + "TORCH_LOGS=recompiles says why each graph recompiled."
+    return (
+        what + f"{_changed_values(now, seen)}Mark the sequence length "
         f"dynamic so one graph serves every length (torch._dynamo.mark_dynamic({example}) on each batch before "
         "the call), pad batches to a few bucket lengths (multiples of sp_size), or raise "
         "torch._dynamo.config.recompile_limit. TORCH_LOGS=recompiles says why each graph recompiled."
@@ -346,6 +382,8 @@ class GuardedCall:
             run_check(self.check, [*leaves, *program_state(self.model)], state)
         before = self.runs.count
         compiled_before = len(self.reports)
+        reasons = _RecompileReason()
+        _DYNAMO_LOG.addHandler(reasons)
         try:
             given = CALL_INPUTS.set(frozenset(id(leaf.tensor) for leaf in leaves if leaf.tensor is not None))
             try:
@@ -357,8 +395,9 @@ class GuardedCall:
                 raise
             finally:
                 CALL_INPUTS.reset(given)
+                _DYNAMO_LOG.removeHandler(reasons)
         except FailOnRecompileLimitHit as e:
-            raise EagerFallback(recompile_message(leaves, self.seen)) from e
+            raise EagerFallback(recompile_message(leaves, self.seen, reasons.last)) from e
         except AutoSPError:
             raise
         except ConstraintViolationError as e:
