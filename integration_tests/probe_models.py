@@ -580,7 +580,7 @@ def inputs(name: str, seq: int = 16, batch: int = 2) -> tuple[torch.Tensor, ...]
         "written-dropout",
         "landmarks",
         "wide-value-heads",
-    ) or name.startswith("hook-"):
+    ) or name.startswith(("hook-", "sdpa-3d")):
         return (ids,)
     return ids, y
 
@@ -1417,6 +1417,33 @@ class WideValueHeads(LMBase):
         v = self.v(x).view(B, S, HEADS, 2 * HD).transpose(1, 2)
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.lm_loss(x + self.o(a.transpose(1, 2).reshape(B, S, 2 * DIM)), ids)
+
+
+class ThreeDimAttention(LMBase):
+    """SDPA on 3-D ``[batch * heads, S, d]`` q/k/v, as code written before 4-D SDPA calls it: causal,
+    or (``bias``) with a 3-D additive bias of one slope per batch-times-head entry. Once refused
+    ("q has 3 dims but layout 'BHSD' of sdpa expects 4")."""
+
+    def __init__(self, bias: bool) -> None:
+        super().__init__()
+        self.bias = bias
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        B, S, _ = x.shape
+        q, k, v = (t.reshape(B * HEADS, S, HD) for t in self.attn.heads(self.ln(x)))
+        if self.bias:
+            pos = torch.arange(S)
+            slopes = torch.arange(1, B * HEADS + 1, dtype=x.dtype).view(-1, 1, 1) / (B * HEADS)
+            mask = torch.where(pos[None, :] <= pos[:, None], -(pos[:, None] - pos[None, :]) * slopes, float("-inf"))
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        else:
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        a = a.view(B, HEADS, S, HD).transpose(1, 2).reshape(B, S, DIM)
+        return self.lm_loss(x + self.attn.out(a), ids)
+
+
+BUILDERS.update({"sdpa-3d": lambda s: ThreeDimAttention(False), "sdpa-3d-bias": lambda s: ThreeDimAttention(True)})
 
 
 class GradientHooks(LMBase):

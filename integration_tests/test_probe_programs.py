@@ -278,6 +278,14 @@ def test_custom_autograd_functions_on_four_ranks(variant: str, backend: str) -> 
     _functions_exact(per_rank, FUNCTIONS, f"{variant} {backend} P=4")
 
 
+@pytest.mark.parametrize("variant", ["ulysses", "ring"])
+def test_sdpa_on_three_dims(pool: SPMDPool, variant: str) -> None:
+    # [batch * heads, S, d] q/k/v (once refused): lifted to 4-D, batch * heads split as Ulysses' heads.
+    probes = [("sdpa-3d", 16, 2), ("sdpa-3d-bias", 16, 2)]
+    for where, r in _exact(pool.run(run_probes, probes, variant, timeout_s=600), probes, variant):
+        assert r["sharded"] == [16] and not r["whole_attention"], f"{where}: {r['sharded']} {r['whole_attention']}"
+
+
 # Gradient hooks registered inside the compiled code (probe_models.GradientHooks): each runs whole on
 # every rank, on the true gradient, in registration order (autosp.tensor_hooks).
 HOOK_PROBES = [(f"hook-{k}", 16, 2) for k in HOOKS]
