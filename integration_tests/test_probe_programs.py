@@ -278,12 +278,24 @@ def test_custom_autograd_functions_on_four_ranks(variant: str, backend: str) -> 
     _functions_exact(per_rank, FUNCTIONS, f"{variant} {backend} P=4")
 
 
+SDPA_3D = [("sdpa-3d", 16, 2), ("sdpa-3d-bias", 16, 2)]
+
+
+def _three_dims_exact(per_rank: list, what: str) -> None:
+    for where, r in _exact(per_rank, SDPA_3D, what):
+        assert r["sharded"] == [16] and not r["whole_attention"], f"{where}: {r['sharded']} {r['whole_attention']}"
+
+
 @pytest.mark.parametrize("variant", ["ulysses", "ring"])
 def test_sdpa_on_three_dims(pool: SPMDPool, variant: str) -> None:
     # [batch * heads, S, d] q/k/v (once refused): lifted to 4-D, batch * heads split as Ulysses' heads.
-    probes = [("sdpa-3d", 16, 2), ("sdpa-3d-bias", 16, 2)]
-    for where, r in _exact(pool.run(run_probes, probes, variant, timeout_s=600), probes, variant):
-        assert r["sharded"] == [16] and not r["whole_attention"], f"{where}: {r['sharded']} {r['whole_attention']}"
+    _three_dims_exact(pool.run(run_probes, SDPA_3D, variant, timeout_s=600), variant)
+
+
+@pytest.mark.parametrize("variant", ["ulysses", "hybrid"])
+@pytest.mark.extended(covered_by="test_sdpa_on_three_dims")
+def test_sdpa_on_three_dims_on_four_ranks_under_inductor(variant: str) -> None:
+    _three_dims_exact(run_spmd(run_probes, 4, SDPA_3D, variant, "inductor"), f"{variant} inductor P=4")
 
 
 # Gradient hooks registered inside the compiled code (probe_models.GradientHooks): each runs whole on
