@@ -2,8 +2,8 @@
 
 Ulysses rewrites it: each rank attends for its heads over the whole sequence, with the block mask
 whole (sliced to its heads when the mask is per head) and the mods seeing global head indices.
-Where it cannot split the heads (kv heads over 4 ranks) and under ring, it runs whole, exactly,
-and the report says so. Forward only: torch 2.13 has no FlexAttention backward on CPU (one device
+Kv heads that do not split over the ranks (2 over 4) are repeated so they do. Under ring it runs
+whole, exactly, and the report says so. Forward only: torch 2.13 has no FlexAttention backward on CPU (one device
 raises the same error), so gradients are checked on a GPU.
 """
 
@@ -28,27 +28,27 @@ def _check(world: int, variant: str, cases: list[tuple[str, int]]) -> list[dict]
     return per_rank
 
 
-def test_ulysses_rewrites_flex_attention():
-    for results in _check(2, "ulysses", CASES):
+def _rewritten(per_rank: list[dict]) -> None:
+    for results in per_rank:
         for case, got in results.items():
             assert got["sites"].count("flex_attention") == 1 and not got["fallbacks"], (case, got["fallbacks"])
             # q/k/v in one exchange and the output in one more, for SDPA and for Flex alike.
             assert got["collectives"]["all_to_all"] == 4 and not got["collectives"]["all_gather"], got["collectives"]
 
 
-@pytest.mark.parametrize(
-    ("world", "variant"),
-    [
-        (2, "ring"),
-        pytest.param(
-            4, "ulysses", marks=pytest.mark.extended(covered_by="test_flex_attention_runs_whole_where_not_rewritten")
-        ),
-    ],
-)
-def test_flex_attention_runs_whole_where_not_rewritten(world, variant):
-    # Ring does not rewrite Flex; at P=4 Ulysses cannot split 2 kv heads: both run it whole, exactly.
+def test_ulysses_rewrites_flex_attention():
+    _rewritten(_check(2, "ulysses", CASES))
+
+
+@pytest.mark.extended(covered_by="test_ulysses_rewrites_flex_attention")
+def test_ulysses_rewrites_flex_attention_with_fewer_kv_heads_than_ranks():
+    # 2 kv heads over 4 ranks: each repeated once so they split (once run whole, gathered).
+    _rewritten(_check(4, "ulysses", [("per_head", 2), ("documents", 2)]))
+
+
+def test_flex_attention_runs_whole_under_ring():
+    # Ring does not rewrite Flex: it runs whole, exactly.
     cases = [("per_head", 2)]
-    for results in _check(world, variant, cases):
-        got = results[cases[0]]
-        said = got["notes"] if variant == "ring" else got["fallbacks"]
+    for results in _check(2, "ring", cases):
+        said = results[cases[0]]["notes"]
         assert any("flex_attention" in n.lower() and "whole" in n for n in said), said

@@ -4,8 +4,10 @@ After the all-to-all every rank holds the whole sequence for its heads, so the b
 query and key indices that ``score_mod``/``mask_mod`` see and their captured buffers keep their
 meaning. Only the head index changes: rank r computes heads ``[r*H/P, (r+1)*H/P)`` as local
 heads ``0 .. H/P-1``, so both mods get ``h`` shifted back to the global head, and per-head block
-tensors are sliced to this rank's heads. Whatever this cannot place exactly (kv heads that do not
-split over the ranks, block-mask fields it does not know) runs whole, inputs gathered.
+tensors are sliced to this rank's heads. Kv heads that do not split over the ranks (GQA, 2 kv heads
+over 4 ranks) are repeated the fewest times that makes them split, as for SDPA: each rank's
+repeated kv heads are those its query heads read, so Flex's own GQA grouping pairs them rightly.
+Whatever this cannot place exactly (block-mask fields it does not know) runs whole, inputs gathered.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from autosp.sharding.context import SPContext, SPValue
 from autosp.sharding.placement import HeadShard, SeqAxis, Shard
 from autosp.sharding.redistribute import to_replicate
 from autosp.sharding.rules.base import fallback
+from autosp_ulysses.attention import kv_heads as split_kv_heads
 from autosp_ulysses.attention import to_heads, to_heads_fused
 
 # BlockMask.as_tuple(): lengths, 8 block tensors, 4 dq-order fields, block sizes, mask_mod.
@@ -62,14 +65,15 @@ def _local_block_mask(ctx: SPContext, block: tuple, heads: int, lo: int, hi: int
 
 def flex_rule(ctx: SPContext, node: torch.fx.Node, site: AttentionSite, args: tuple, kwargs: dict) -> Any:
     q, k, v, score_mod, block, scale, options, score_bufs, mask_bufs = args
-    heads, kv_heads = site.heads, site.kv_heads
+    heads = site.heads
     per = heads // ctx.world
     lo, hi = ctx.rank * per, (ctx.rank + 1) * per
-    local_block = _local_block_mask(ctx, block, heads, lo, hi) if kv_heads % ctx.world == 0 else None
+    local_block = _local_block_mask(ctx, block, heads, lo, hi)
     if local_block is None or kwargs:
-        ctx.fallbacks.append(f"{node.name} (FlexAttention): kv heads or block mask do not split over heads; run whole")
+        ctx.fallbacks.append(f"{node.name} (FlexAttention): its block mask does not split over heads; run whole")
         return fallback(ctx, node, args, kwargs)
     hdim, sdim = site.axis("H"), site.axis("S")
+    k, v = (split_kv_heads(ctx, x, heads, hdim, sdim)[0] if isinstance(x, SPValue) else x for x in (k, v))
     fused = to_heads_fused(ctx, [q, k, v], hdim, sdim)
     ql, kl, vl = fused if fused is not None else (to_heads(ctx, x, hdim, sdim) for x in (q, k, v))
     # Captured buffers (document ids, biases) index global positions and heads: whole on every rank.
