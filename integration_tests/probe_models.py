@@ -580,7 +580,7 @@ def inputs(name: str, seq: int = 16, batch: int = 2) -> tuple[torch.Tensor, ...]
         "written-dropout",
         "landmarks",
         "wide-value-heads",
-    ) or name.startswith(("hook-", "sdpa-3d")):
+    ) or name.startswith(("hook-", "sdpa-3d", "act-clamp")):
         return (ids,)
     return ids, y
 
@@ -1444,6 +1444,22 @@ class ThreeDimAttention(LMBase):
 
 
 BUILDERS.update({"sdpa-3d": lambda s: ThreeDimAttention(False), "sdpa-3d-bias": lambda s: ThreeDimAttention(True)})
+
+
+class ClampNoGrad(LMBase):
+    """An activation clamped in place under ``torch.no_grad()``: eager's gradient flows on unclamped.
+
+    Once a silently wrong gradient (the lowered graph took the clamp's derivative); now refused."""
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        x = x + self.attn(self.ln(x))
+        with torch.no_grad():
+            x.clamp_(-0.5, 0.5)
+        return self.lm_loss(x, ids)
+
+
+BUILDERS["act-clamp-no-grad"] = lambda s: ClampNoGrad()
 
 
 class GradientHooks(LMBase):

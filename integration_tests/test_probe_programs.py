@@ -341,6 +341,16 @@ def test_length_not_divisible_is_refused(pool: SPMDPool) -> None:
         assert error.startswith("refused: AutoSPError") and "not divisible by sp_size=2" in error, error
 
 
+def test_a_write_autograd_does_not_record_is_refused(pool: SPMDPool) -> None:
+    # An activation clamped in place under no_grad: once a silently wrong gradient (autosp.untracked_writes).
+    probe = ("act-clamp-no-grad", 16, 2)
+    for results in pool.run(run_probes, [probe], "ulysses", timeout_s=300):
+        assert not isinstance(results, RankError), results.traceback
+        error = results[probe].get("error", "")
+        assert error.startswith("refused: AutoSPError") and "autograd does not record" in error, error
+        assert "probe_models.py" in error, error  # the line
+
+
 @pytest.mark.parametrize(
     ("variant", "probes"),
     [

@@ -32,6 +32,7 @@ from autosp.sharding.context import SPContext
 from autosp.sharding.dims import guess_seq_dim
 from autosp.sharding.propagate import shard_graph
 from autosp.tensor_hooks import keep_tensor_hooks
+from autosp.untracked_writes import refuse_untracked_writes
 from autosp.user_function import keep_user_functions
 
 
@@ -340,6 +341,8 @@ def _take_written_out(aten_gm: torch.fx.GraphModule, ctx: CompileContext) -> tup
 
 
 def lower(gm: torch.fx.GraphModule, ctx: CompileContext) -> torch.fx.GraphModule:
+    # Compiled during the call: its grad mode is the call's.
+    refuse_untracked_writes(gm, torch.is_grad_enabled(), user_line)
     dynamo_lengths = _site_lengths(ctx.sites)
     insert_leaves(gm, _specs(ctx))
     aten_gm = lower_to_aten(gm, ctx.fake_inputs, ctx.fake_mode)

@@ -1,0 +1,104 @@
+"""In-place writes that autograd does not record, refused before lowering.
+
+Under ``torch.no_grad()`` (or through a ``detach()``ed alias) eager lets code write into a tensor
+that requires grad: the values change and autograd stays as it was, so the gradient flows on as if
+the write had not happened (an activation clamped in place, a parameter renormalised in place).
+The aten graph AutoSP lowers to holds the write's result as a plain value, whose derivative AOT
+autograd would take (or, for a parameter, the trace fails): a silently wrong gradient. Plain
+``torch.compile`` keeps grad mode in its graph; AutoSP's lowering does not, so such a program is
+refused, naming the line. Writes into buffers and other tensors that share no storage with a tensor
+that requires grad (running statistics, caches, counters) are what they always were.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from autosp.errors import AutoSPError
+
+_IN_PLACE_OPERATORS = {
+    operator.setitem,
+    operator.iadd,
+    operator.isub,
+    operator.imul,
+    operator.itruediv,
+    operator.ifloordiv,
+    operator.imod,
+    operator.ipow,
+    operator.iand,
+    operator.ior,
+    operator.ixor,
+    operator.imatmul,
+}
+# Methods that end in "_" and write no values.
+_NOT_WRITES = {"requires_grad_", "retain_grad", "share_memory_", "detach_", "register_hook_"}
+
+
+def _writes(node: torch.fx.Node) -> bool:
+    """Whether ``node`` writes into its first argument (by the convention of torch's names)."""
+    if node.op == "call_method":
+        name = str(node.target)
+    elif node.op == "call_function":
+        if node.target in _IN_PLACE_OPERATORS or node.kwargs.get("inplace") is True:
+            return True
+        name = getattr(node.target, "__name__", "")
+    else:
+        return False
+    return name.endswith("_") and not name.startswith("_") and name not in _NOT_WRITES
+
+
+def _value(n: object) -> torch.Tensor | None:
+    v = n.meta.get("example_value") if isinstance(n, torch.fx.Node) else None
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def _storage(t: torch.Tensor) -> StorageWeakRef | None:
+    try:
+        return StorageWeakRef(t.untyped_storage())
+    except (NotImplementedError, RuntimeError):  # a tensor without storage (a sparse or nested one)
+        return None
+
+
+def refuse_untracked_writes(
+    gm: torch.fx.GraphModule, grad_enabled: bool, where: Callable[[torch.fx.Node], str | None] | None = None
+) -> None:
+    """Raise if ``gm`` (or a subgraph) writes in place into a tensor that requires grad, unrecorded.
+
+    ``grad_enabled``: the grad mode the graph is called in (nothing is differentiated without it).
+    """
+    if not grad_enabled:
+        return
+    for module in gm.modules():
+        if not isinstance(module, torch.fx.GraphModule):
+            continue
+        nodes = list(module.graph.nodes)
+        tracked = {_storage(v) for n in nodes if (v := _value(n)) is not None and v.requires_grad} - {None}
+        enabled = True
+        for node in nodes:
+            if node.op == "call_function" and node.target is torch._C._set_grad_enabled:
+                enabled = bool(node.args[0])
+                continue
+            if not node.args or not _writes(node):
+                continue
+            target = _value(node.args[0])
+            if target is None or _storage(target) not in tracked:
+                continue
+            if enabled and target.requires_grad:
+                continue  # recorded by autograd, as any in-place op of the program
+            line = where(node) if where else None
+            raise AutoSPError(
+                "an in-place write that autograd does not record (under torch.no_grad(), or through a "
+                "detach()ed alias) changes a tensor that requires grad"
+                + (f" ({line})" if line else "")
+                + ": eager keeps that tensor's gradient as if the write had not happened, which AutoSP's "
+                "lowering cannot express. Write it out of place (x = x + (x.clamp(...) - x).detach() keeps "
+                "the gradient as eager does), or, for a parameter, change it outside the compiled forward "
+                "(before the call, or after the optimizer step)"
+            )
+
+
+__all__ = ["refuse_untracked_writes"]
