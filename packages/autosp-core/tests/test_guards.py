@@ -323,7 +323,7 @@ class _Scale(torch.nn.Module):
         return x * 3
 
 
-@pytest.mark.filterwarnings("ignore:Using `torch.compile(module)` when there are global hooks")
+@pytest.mark.filterwarnings(r"ignore:Using `torch\.compile\(module\)` when there are global hooks")
 def test_nested_graph_breaks_stay_off_while_a_module_has_backward_hooks():
     # Dynamo 2.13 cannot resume a break inside the list comprehension of torch's backward-hook setup
     # with nested breaks on: an UnboundLocalError, for plain torch.compile too (probe "hook-module").
