@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from _core_helpers import capture_graphs
 
 from autosp.passes.fold_attention_batch import fold_attention_batch
 
@@ -44,15 +45,8 @@ def five_d(q, k, v):
 
 
 def dynamo_graph(fn, *inputs: torch.Tensor) -> torch.fx.GraphModule:
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm
-
-    torch._dynamo.reset()
-    torch.compile(fn, backend=backend, fullgraph=True)(*inputs)
-    return graphs[0]
+    (gm,), _ = capture_graphs(fn, *inputs)
+    return gm
 
 
 def sdpa_dims(gm: torch.fx.GraphModule) -> list[int]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _core_helpers import capture_graphs
 
 from autosp.errors import AutoSPError
 from autosp.tensor_hooks import is_hook, keep_tensor_hooks
@@ -17,15 +18,8 @@ from autosp.user_function import BODIES, USER_FUNCTION
 
 
 def dynamo_graph(fn, *inputs: torch.Tensor) -> torch.fx.GraphModule:
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm
-
-    torch._dynamo.reset()
-    torch.compile(fn, backend=backend, fullgraph=True)(*inputs)
-    return graphs[0]
+    (gm,), _ = capture_graphs(fn, *inputs)
+    return gm
 
 
 def grads(fn, x: torch.Tensor, w: torch.Tensor) -> list[torch.Tensor]:

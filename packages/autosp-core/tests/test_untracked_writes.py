@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _core_helpers import capture_graphs
 
 from autosp.analysis.source import user_line
 from autosp.errors import AutoSPError
@@ -61,15 +62,8 @@ ACCEPTED = ["buffers", "recorded", "fresh-no-grad"]
 
 
 def dynamo_graph(model: torch.nn.Module) -> torch.fx.GraphModule:
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
-    torch.compile(model, backend=backend, fullgraph=True)(torch.randn(2, 3, 4))
-    return graphs[0]
+    (gm,), _ = capture_graphs(model, torch.randn(2, 3, 4))
+    return gm
 
 
 @pytest.mark.parametrize("kind", REFUSED)
