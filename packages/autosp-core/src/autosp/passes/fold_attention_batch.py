@@ -18,6 +18,7 @@ fewer broadcasts as it did.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -45,108 +46,101 @@ def _tensor_args(node: fx.Node) -> dict[str, Any]:
     return named
 
 
-def _fold(graph: fx.Graph, node: fx.Node) -> str | None:
-    named = _tensor_args(node)
-    q, k, v, mask = (named.get(a) for a in SDPA_ARGS)
-    vals = [_val(t) for t in (q, k, v)]
-    if not all(isinstance(t, torch.Tensor) for t in vals) or vals[0].dim() == 4:
-        return None
-    if vals[0].dim() < 4:
-        return _lift(graph, node)
-    nd = vals[0].dim()
-    lead = list(vals[0].shape[: nd - 3])
-    if any(t.dim() != nd or list(t.shape[: nd - 3]) != lead for t in vals) or not _static(lead):
-        return f"{node.name}: SDPA on {nd}-D q/k/v whose batch dims differ or are symbolic: left as is"
-    mask_val = _val(mask)
-    if mask is not None and not isinstance(mask_val, torch.Tensor):
-        return f"{node.name}: SDPA on {nd}-D q/k/v with a mask of unknown shape: left as is"
-    out_val = _val(node)
-    fake_mode = getattr(vals[0], "fake_mode", None)  # the mode of the values the graph's meta holds
-    if fake_mode is None:
-        return f"{node.name}: SDPA on {nd}-D q/k/v without fake values: left as is"
+class _Call:
+    """Inserts ``fn(*args)`` nodes with their example values computed in the graph's fake mode."""
 
-    def call(fn: Any, *args: Any) -> fx.Node:
-        new = graph.call_function(fn, args)
-        with fake_mode:
-            new.meta["example_value"] = fn(*(_val(a) if isinstance(a, fx.Node) else a for a in args))
+    def __init__(self, graph: fx.Graph, fake_mode: Any) -> None:
+        self.graph, self.fake_mode = graph, fake_mode
+
+    def __call__(self, fn: Any, *args: Any, **kwargs: Any) -> fx.Node:
+        new = self.graph.call_function(fn, args, kwargs)
+        fake = {k: _val(v) if isinstance(v, fx.Node) else v for k, v in kwargs.items()}
+        with self.fake_mode:
+            new.meta["example_value"] = fn(*(_val(a) if isinstance(a, fx.Node) else a for a in args), **fake)
         return new
 
-    with graph.inserting_before(node):
-        folded = [call(torch.flatten, t, 0, nd - 4) for t in (q, k, v)]
-        if mask is not None:
-            m = mask
-            for _ in range(nd - mask_val.dim()):
-                m = call(torch.unsqueeze, m, 0)
-            folded.append(call(torch.flatten, call(torch.Tensor.expand, m, [*lead, -1, -1, -1]), 0, nd - 4))
-    kwargs: dict[str, Any] = dict(zip(SDPA_REST, node.args[len(SDPA_ARGS) :]))
-    kwargs.update({key: val for key, val in node.kwargs.items() if key not in SDPA_ARGS})
-    if mask is not None:
-        kwargs["attn_mask"] = folded[3]
-    with graph.inserting_after(node):
-        attention = graph.call_function(F.scaled_dot_product_attention, tuple(folded[:3]), kwargs)
-    fake_kwargs: dict[str, Any] = {key: _val(val) if isinstance(val, fx.Node) else val for key, val in kwargs.items()}
-    with fake_mode:
-        attention.meta["example_value"] = F.scaled_dot_product_attention(*(_val(t) for t in folded[:3]), **fake_kwargs)
-    with graph.inserting_after(attention):
-        unfolded = call(torch.unflatten, attention, 0, tuple(lead))
-    if list(_val(unfolded).shape) != list(out_val.shape):
-        raise AssertionError(
-            f"fold_attention_batch: {node.name} gave {list(_val(unfolded).shape)}, not {list(out_val.shape)}"
-        )
-    node.replace_all_uses_with(unfolded)
-    graph.erase_node(node)
-    return f"{node.name}: SDPA on {nd}-D q/k/v computed with its {math.prod(lead)} batch entries ({lead}) folded into one dim"
 
-
-def _lift(graph: fx.Graph, node: fx.Node) -> str | None:
+def _rebuild(
+    node: fx.Node,
+    call: _Call,
+    to_four: Callable[[fx.Node], fx.Node],
+    mask_to_four: Callable[[fx.Node], fx.Node],
+    back: Callable[[fx.Node], fx.Node],
+) -> None:
+    """``node`` replaced by SDPA on ``to_four`` of q, k, v (and ``mask_to_four`` of its mask), then ``back``."""
     named = _tensor_args(node)
-    q, k, v, mask = (named.get(a) for a in SDPA_ARGS)
-    vals = [_val(t) for t in (q, k, v)]
-    nd = vals[0].dim()
-    if nd not in (2, 3) or any(t.dim() != nd for t in vals):
-        return f"{node.name}: SDPA on {[t.dim() for t in vals]}-D q/k/v: left as is"
-    mask_val = _val(mask)
-    if mask is not None and not isinstance(mask_val, torch.Tensor):
-        return f"{node.name}: SDPA on {nd}-D q/k/v with a mask of unknown shape: left as is"
-    fake_mode = getattr(vals[0], "fake_mode", None)
-    if fake_mode is None:
-        return f"{node.name}: SDPA on {nd}-D q/k/v without fake values: left as is"
-
-    def lift(t: Any, dims: int) -> Any:
-        for _ in range(dims):
-            new = graph.call_function(torch.unsqueeze, (t, 0))
-            with fake_mode:
-                new.meta["example_value"] = torch.unsqueeze(_val(t), 0)
-            t = new
-        return t
-
-    with graph.inserting_before(node):
-        lifted = [lift(t, 4 - nd) for t in (q, k, v)]
-        if mask is not None and mask_val.dim() == 3:  # [N or 1, L, S]: its leading dim is q's
-            lifted.append(lift(mask, 1))
+    mask = named.get("attn_mask")
+    with call.graph.inserting_before(node):
+        qkv = [to_four(named[a]) for a in SDPA_ARGS[:3]]
+        mask4 = mask_to_four(mask) if mask is not None else None
     kwargs: dict[str, Any] = dict(zip(SDPA_REST, node.args[len(SDPA_ARGS) :]))
     kwargs.update({key: val for key, val in node.kwargs.items() if key not in SDPA_ARGS})
-    if mask is not None:
-        kwargs["attn_mask"] = lifted[3] if len(lifted) == 4 else mask
-    with graph.inserting_after(node):
-        attention = graph.call_function(F.scaled_dot_product_attention, tuple(lifted[:3]), kwargs)
-    fake_kwargs: dict[str, Any] = {key: _val(val) if isinstance(val, fx.Node) else val for key, val in kwargs.items()}
-    with fake_mode:
-        attention.meta["example_value"] = F.scaled_dot_product_attention(*(_val(t) for t in lifted[:3]), **fake_kwargs)
-    out = attention
-    for _ in range(4 - nd):
-        with graph.inserting_after(out):
-            new = graph.call_function(torch.squeeze, (out, 0))
-        with fake_mode:
-            new.meta["example_value"] = torch.squeeze(_val(out), 0)
-        out = new
+    if mask4 is not None:
+        kwargs["attn_mask"] = mask4
+    # Before the node after it (inserting_after would put each new node straight after ``node``,
+    # in reverse order).
+    with call.graph.inserting_before(node.next):
+        out = back(call(F.scaled_dot_product_attention, *qkv, **kwargs))
     if list(_val(out).shape) != list(_val(node).shape):
         raise AssertionError(
             f"fold_attention_batch: {node.name} gave {list(_val(out).shape)}, not {list(_val(node).shape)}"
         )
     node.replace_all_uses_with(out)
-    graph.erase_node(node)
-    return f"{node.name}: SDPA on {nd}-D q/k/v computed on 4, its leading dim lifted to the heads"
+    call.graph.erase_node(node)
+
+
+def _rewrite(graph: fx.Graph, node: fx.Node) -> tuple[str, bool] | None:
+    """A note on what happened to one SDPA call and whether it was rewritten; None for 4-D calls."""
+    named = _tensor_args(node)
+    q, k, v, mask = (named.get(a) for a in SDPA_ARGS)
+    vals = [_val(t) for t in (q, k, v)]
+    if not all(isinstance(t, torch.Tensor) for t in vals) or vals[0].dim() == 4:
+        return None
+    nd = vals[0].dim()
+    lead = list(vals[0].shape[: nd - 3])
+    if nd > 4 and (any(t.dim() != nd or list(t.shape[: nd - 3]) != lead for t in vals) or not _static(lead)):
+        return f"{node.name}: SDPA on {nd}-D q/k/v whose batch dims differ or are symbolic: left as is", False
+    if nd < 4 and (nd not in (2, 3) or any(t.dim() != nd for t in vals)):
+        return f"{node.name}: SDPA on {[t.dim() for t in vals]}-D q/k/v: left as is", False
+    mask_val = _val(mask)
+    if mask is not None and not isinstance(mask_val, torch.Tensor):
+        return f"{node.name}: SDPA on {nd}-D q/k/v with a mask of unknown shape: left as is", False
+    fake_mode = getattr(vals[0], "fake_mode", None)  # the mode of the values the graph's meta holds
+    if fake_mode is None:
+        return f"{node.name}: SDPA on {nd}-D q/k/v without fake values: left as is", False
+    call = _Call(graph, fake_mode)
+
+    def unsqueezed(t: fx.Node, dims: int) -> fx.Node:
+        for _ in range(dims):
+            t = call(torch.unsqueeze, t, 0)
+        return t
+
+    if nd > 4:
+
+        def mask_folded(m: fx.Node) -> fx.Node:
+            expanded = call(torch.Tensor.expand, unsqueezed(m, nd - mask_val.dim()), [*lead, -1, -1, -1])
+            return call(torch.flatten, expanded, 0, nd - 4)
+
+        _rebuild(
+            node,
+            call,
+            lambda t: call(torch.flatten, t, 0, nd - 4),
+            mask_folded,
+            lambda out: call(torch.unflatten, out, 0, tuple(lead)),
+        )
+        note = f"computed with its {math.prod(lead)} batch entries ({lead}) folded into one dim"
+        return f"{node.name}: SDPA on {nd}-D q/k/v {note}", True
+
+    def squeezed(t: fx.Node) -> fx.Node:
+        for _ in range(4 - nd):
+            t = call(torch.squeeze, t, 0)
+        return t
+
+    # A 3-D mask is [N or 1, L, S]: its leading dim is q's. One of fewer dims broadcasts as it did.
+    _rebuild(
+        node, call, lambda t: unsqueezed(t, 4 - nd), lambda m: unsqueezed(m, 1) if mask_val.dim() == 3 else m, squeezed
+    )
+    return f"{node.name}: SDPA on {nd}-D q/k/v computed on 4, its leading dim lifted to the heads", True
 
 
 def fold_attention_batch(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule | None:
@@ -154,17 +148,17 @@ def fold_attention_batch(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphMod
     for module in list(gm.modules()):
         if not isinstance(module, fx.GraphModule):
             continue
-        folded = False
+        rewritten = False
         for node in [
             n for n in module.graph.nodes if n.op == "call_function" and n.target is F.scaled_dot_product_attention
         ]:
-            note = _fold(module.graph, node)
-            if note is not None:
-                ctx.report.notes.append(note)
-                folded |= not note.endswith("left as is")
-        if folded:
+            outcome = _rewrite(module.graph, node)
+            if outcome is not None:
+                ctx.report.notes.append(outcome[0])
+                rewritten |= outcome[1]
+        if rewritten:
             module.recompile()
-        changed |= folded
+        changed |= rewritten
     return gm if changed else None
 
 
