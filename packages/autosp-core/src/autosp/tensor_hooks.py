@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 
 from autosp.errors import AutoSPError
-from autosp.user_function import BODIES, USER_FUNCTION, Body, _key, _pick
+from autosp.user_function import USER_FUNCTION, Body, pick_result, register_body
 
 
 def is_hook(node: torch.fx.Node) -> bool:
@@ -107,12 +107,11 @@ def _chain(
             non_differentiable=frozenset(),
             what="a gradient hook (Tensor.register_hook)",
         )
-        key = _key(body.fwd, body.bwd, {"register_hook": True})
-        BODIES[key] = body
+        key = register_body(body, {"register_hook": True})
         with graph.inserting_after(at if end is value else end):
             call = graph.call_function(USER_FUNCTION, ([end, *h.args[2:]], key))
         with graph.inserting_after(call):
-            picked = graph.call_function(_pick, (call, 0, False))
+            picked = graph.call_function(pick_result, (call, 0, False))
         for n in (call, picked):
             n.meta.update({k: v for k, v in h.meta.items() if k != "example_value"})
         picked.meta["example_value"] = value.meta.get("example_value")

@@ -125,6 +125,13 @@ def _key(fwd: torch.fx.GraphModule, bwd: torch.fx.GraphModule, flags: dict[str, 
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
+def register_body(body: Body, flags: dict[str, Any]) -> str:
+    """Keep ``body`` in BODIES under its name (see ``_key``); return the name the op is called with."""
+    key = _key(body.fwd, body.bwd, flags)
+    BODIES[key] = body
+    return key
+
+
 def _random_ops(fwd: torch.fx.GraphModule, args: list[Any]) -> tuple[str, ...]:
     """The random ops the forward runs, found in its aten trace on the call's fake values.
 
@@ -204,8 +211,7 @@ def keep_user_functions(gm: torch.fx.GraphModule, where: Any = None) -> int:
                 )
         for node in calls:
             body = _body(module, node)
-            key = _key(body.fwd, body.bwd, dict(node.kwargs))
-            BODIES[key] = body
+            key = register_body(body, dict(node.kwargs))
             with graph.inserting_before(node):
                 call = graph.call_function(USER_FUNCTION, (list(node.args[2:]), key))
             call.meta.update({k: v for k, v in node.meta.items() if k != "example_value"})
@@ -214,7 +220,7 @@ def keep_user_functions(gm: torch.fx.GraphModule, where: Any = None) -> int:
             results: list[torch.fx.Node] = []
             for i in range(body.n_out):
                 with graph.inserting_after(call if not results else results[-1]):
-                    r = graph.call_function(_pick, (call, i, i in body.non_differentiable))
+                    r = graph.call_function(pick_result, (call, i, i in body.non_differentiable))
                 r.meta.update(call.meta)
                 r.meta["example_value"] = values[i]
                 results.append(r)
@@ -240,9 +246,18 @@ def keep_user_functions(gm: torch.fx.GraphModule, where: Any = None) -> int:
     return count
 
 
-def _pick(results: list[Tensor], i: int, non_differentiable: bool) -> Tensor:
+def pick_result(results: list[Tensor], i: int, non_differentiable: bool) -> Tensor:
     # What ctx.mark_non_differentiable means: no gradient flows back through that result.
     return results[i].detach() if non_differentiable else results[i]
 
 
-__all__ = ["BODIES", "USER_FUNCTION", "Body", "is_function_call", "keep_user_functions", "user_function"]
+__all__ = [
+    "BODIES",
+    "USER_FUNCTION",
+    "Body",
+    "is_function_call",
+    "keep_user_functions",
+    "pick_result",
+    "register_body",
+    "user_function",
+]
