@@ -130,6 +130,8 @@ def keep_tensor_hooks(gm: torch.fx.GraphModule, where: Callable[[torch.fx.Node],
             continue
         graph = module.graph
         chains = _hooked_values(graph)
+        if not chains:
+            continue
         order = {n: i for i, n in enumerate(graph.nodes)}
         flows = _gradient_flow(graph)
         plans = []
@@ -164,8 +166,7 @@ def keep_tensor_hooks(gm: torch.fx.GraphModule, where: Callable[[torch.fx.Node],
                     graph.erase_node(attr)
                     delattr(module, str(attr.target))
                 count += 1
-        if plans:
-            module.recompile()
+        module.recompile()
     return count
 
 
