@@ -12,12 +12,12 @@ Whatever this cannot place exactly (block-mask fields it does not know) runs who
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 
+from autosp import flex_blocks
 from autosp.analysis.attention import AttentionSite
 from autosp.sharding import collectives as C
 from autosp.sharding.context import SPContext, SPValue
@@ -27,40 +27,9 @@ from autosp.sharding.rules.base import fallback
 from autosp_ulysses.attention import kv_heads as split_kv_heads
 from autosp_ulysses.attention import to_heads, to_heads_fused
 
-# BlockMask.as_tuple(): lengths, 8 block tensors, 4 dq-order fields, block sizes, mask_mod.
-_BLOCK_TENSORS = range(2, 10)
-_DQ_ORDERS = range(10, 14)
-
 
 def _whole(ctx: SPContext, x: Any) -> Any:
     return to_replicate(ctx, x).local if isinstance(x, SPValue) else x
-
-
-def _shift_head(fn: Callable[..., Any], index: int, offset: int) -> Callable[..., Any]:
-    """``fn`` with its head argument (position ``index``) shifted from local to global heads."""
-
-    def shifted(*args: Any) -> Any:
-        moved = list(args)
-        moved[index] = moved[index] + offset
-        return fn(*moved)
-
-    return shifted
-
-
-def _local_block_mask(ctx: SPContext, block: tuple, heads: int, lo: int, hi: int) -> tuple | None:
-    """The block mask for heads ``[lo, hi)``, or None when a field's meaning is not known here."""
-    block = tuple(_whole(ctx, x) for x in block)
-    if len(block) != 17 or any(block[i] is not None for i in _DQ_ORDERS):
-        return None
-    out = list(block)
-    for i in _BLOCK_TENSORS:
-        t = block[i]
-        if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[1] == heads and heads > 1:
-            out[i] = t.narrow(1, lo, hi - lo)
-        elif isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[1] != 1:
-            return None  # a head dim of another size: not a layout this rule knows
-    out[16] = _shift_head(block[16], 1, lo)  # mask_mod(b, h, q_idx, kv_idx, *buffers)
-    return tuple(out)
 
 
 def flex_rule(ctx: SPContext, node: torch.fx.Node, site: AttentionSite, args: tuple, kwargs: dict) -> Any:
@@ -68,7 +37,7 @@ def flex_rule(ctx: SPContext, node: torch.fx.Node, site: AttentionSite, args: tu
     heads = site.heads
     per = heads // ctx.world
     lo, hi = ctx.rank * per, (ctx.rank + 1) * per
-    local_block = _local_block_mask(ctx, block, heads, lo, hi)
+    local_block = flex_blocks.heads_of(tuple(_whole(ctx, x) for x in block), heads, lo, hi)
     if local_block is None or kwargs:
         ctx.fallbacks.append(f"{node.name} (FlexAttention): its block mask does not split over heads; run whole")
         return fallback(ctx, node, args, kwargs)
@@ -78,8 +47,9 @@ def flex_rule(ctx: SPContext, node: torch.fx.Node, site: AttentionSite, args: tu
     ql, kl, vl = fused if fused is not None else (to_heads(ctx, x, hdim, sdim) for x in (q, k, v))
     # Captured buffers (document ids, biases) index global positions and heads: whole on every rank.
     score_bufs, mask_bufs = pytree.tree_map(lambda x: _whole(ctx, x), (score_bufs, mask_bufs))
+    score_mod = flex_blocks.shift_arg(score_mod, flex_blocks.SCORE_HEAD, flex_blocks.offset(lo))
     out, lse, *rest = node.target(
-        ql, kl, vl, _shift_head(score_mod, 2, lo), local_block, scale, options, tuple(score_bufs), tuple(mask_bufs)
+        ql, kl, vl, score_mod, local_block, scale, options, tuple(score_bufs), tuple(mask_bufs)
     )
     ctx.note("all_to_all")
     back = C.all_to_all(out.contiguous(), sdim, hdim, ctx.group_name)
