@@ -1,11 +1,22 @@
-"""Models with SDPA in one layer and FlexAttention (block mask, score_mod) in the next."""
+"""Models with SDPA in one layer and FlexAttention (block mask, score_mod) in the next.
+
+torch 2.13 refuses FlexAttention's backward on CPU in ``flex_attention``'s device check, because
+Inductor has no CPU kernel for it. Eager and ``aot_eager`` run Flex as the higher-order op's
+reference math, whose backward is plain aten and works on any device; so with ``grads=True`` the
+workers lift that one check (the same way in the reference and in the compiled program) and compare
+every parameter's gradient under ``aot_eager``. Inductor runs forward only.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections import Counter
+from collections.abc import Iterator
 
 import torch
+import torch._inductor.config as inductor_config
+import torch.nn.attention.flex_attention as flex
 from torch.nn.attention.flex_attention import create_block_mask
 
 from autosp.testing.models import SdpaThenFlex
@@ -13,9 +24,10 @@ from autosp.testing.models import SdpaThenFlex
 VOCAB, HEADS = 50, 4
 
 
-def block_mask(kind: str, seq: int):
+def block_mask(kind: str, seq: int, size: int = 16):
     """``documents``: causal within three uneven packed documents that cross the ranks' chunks.
-    ``per_head``: heads 0 and 1 see their document, heads 2 and 3 a causal window of 24 (a per-head mask)."""
+    ``per_head``: heads 0 and 1 see their document, heads 2 and 3 a causal window of 24 (a per-head mask).
+    ``window``: a sliding window of 40 keys, both directions (no causal block skipping)."""
     docs = (torch.arange(seq) * 3) // seq
     docs[seq // 3 - 2] = 1
 
@@ -25,31 +37,71 @@ def block_mask(kind: str, seq: int):
     def per_head(b, h, q, k):
         return torch.where(h < 2, docs[q] == docs[k], q - k < 24) & (k <= q)
 
-    fn, heads = (documents, None) if kind == "documents" else (per_head, HEADS)
-    return create_block_mask(fn, None, heads, seq, seq, device="cpu", BLOCK_SIZE=16)
+    def window(b, h, q, k):
+        return (q - k).abs() < 40
+
+    fn, heads = {"documents": (documents, None), "per_head": (per_head, HEADS), "window": (window, None)}[kind]
+    return create_block_mask(fn, None, heads, seq, seq, device="cpu", BLOCK_SIZE=size)
 
 
-def run(rank: int, world: int, variant: str, cases: list[tuple[str, int]], seq: int) -> dict:
+@contextlib.contextmanager
+def _cpu_backward(grads: bool) -> Iterator[None]:
+    check = flex._validate_device
+    if grads:
+        flex._validate_device = lambda *args: None
+    try:
+        yield
+    finally:
+        flex._validate_device = check
+
+
+def run(
+    rank: int,
+    world: int,
+    variant: str,
+    cases: list[tuple[str, int]],
+    seq: int,
+    *,
+    lse: bool = False,
+    grads: bool = False,
+    backend: str = "aot_eager",
+    block: int = 16,
+    options: dict | None = None,
+    sac: bool | str = "auto",
+) -> dict:
     import autosp
 
     results = {}
     for kind, kv_heads in cases:
         torch.manual_seed(0)
-        model = SdpaThenFlex(kv_heads)
-        args = (torch.randint(0, VOCAB, (2, seq)), block_mask(kind, seq), torch.randint(0, VOCAB, (2, seq)))
-        # Forward only: torch 2.13 has no FlexAttention backward on CPU, on one device or several.
-        with torch.no_grad(), warnings.catch_warnings():
+        model = SdpaThenFlex(kv_heads, lse=lse, contiguous=backend == "inductor")
+        args = (torch.randint(0, VOCAB, (2, seq)), block_mask(kind, seq, block), torch.randint(0, VOCAB, (2, seq)))
+        grad_mode = contextlib.nullcontext() if grads else torch.no_grad()
+        # Inductor's CPU Flex kernel has vectorized code only: the suite's scalar C++ setting breaks it.
+        kernels = inductor_config.patch({"cpp.simdlen": None, "cpp.vec_isa_ok": None})
+        with grad_mode, _cpu_backward(grads), kernels, warnings.catch_warnings():
             warnings.simplefilter("ignore")  # flex_attention's own "called without torch.compile" note
             reference = model(*args)
-            compiled = autosp.compile(model, sp_size=world, backend="aot_eager", variant=variant)
+            if grads:
+                reference.backward()
+                expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+                model.zero_grad(set_to_none=True)
+            compiled = autosp.compile(
+                model, sp_size=world, backend=backend, variant=variant, variant_options=options or {}, sac=sac
+            )
             loss = compiled(*args)
+            if grads:
+                loss.backward()
         reports = compiled.autosp_reports
         results[kind, kv_heads] = {
-            "loss": loss,
-            "reference": reference,
+            "loss": loss.detach(),
+            "reference": reference.detach(),
+            "grads": {n: p.grad for n, p in model.named_parameters()} if grads else {},
+            "expected": expected if grads else {},
             "notes": [n for r in reports for n in r.notes],
             "fallbacks": [f for r in reports for f in r.fallbacks],
             "sites": [s.spec.name for r in reports for s in r.sites],
             "collectives": sum((r.collectives for r in reports), start=Counter()),
+            "sac": [r.sac for r in reports],
         }
     return results

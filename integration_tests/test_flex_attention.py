@@ -1,13 +1,20 @@
-"""FlexAttention under SP, against single-device eager.
+"""FlexAttention under SP, against single-device eager: values and every parameter's gradient.
 
-Ulysses rewrites it: each rank attends for its heads over the whole sequence, with the block mask
-whole (sliced to its heads when the mask is per head) and the mods seeing global head indices.
-Kv heads that do not split over the ranks (2 over 4) are repeated so they do. Under ring it runs
-whole, exactly, and the report says so. Forward only: torch 2.13 has no FlexAttention backward on CPU (one device
-raises the same error), so gradients are checked on a GPU.
+Ulysses gives each rank its heads over the whole sequence, the block mask whole (sliced to its
+heads when the mask is per head), the mods seeing global head indices; kv heads that do not split
+over the ranks (2 over 4) are repeated so they do. Ring gives each rank its query rows (zigzag, or
+contiguous when zigzag chunks would cut the mask's blocks) against k and v gathered whole, the block
+mask cut to those rows; hybrid does both. A layout that would cut the mask's blocks runs whole.
+
+Gradients are compared under ``aot_eager`` (``flex_workers`` lifts torch's CPU device check: Flex's
+reference math has a backward on any device). That math reads ``mask_mod`` only, never the block
+lists; Inductor's CPU kernel reads the lists, so a forward under Inductor checks the cut lists end to
+end (``test_flex_blocks`` checks them element by element).
 """
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -17,18 +24,26 @@ from harness import run_spmd
 CASES = [("documents", 4), ("per_head", 2)]
 
 
-def _check(world: int, variant: str, cases: list[tuple[str, int]]) -> list[dict]:
-    per_rank = run_spmd(run, world, variant, cases, 96)
+def _check(world: int, variant: str, cases: list, seq: int = 128, **kw) -> list[dict]:
+    grads = kw.setdefault("backend", "aot_eager") == "aot_eager"
+    per_rank = run_spmd(functools.partial(run, grads=grads, **kw), world, variant, cases, seq)
     for rank, results in enumerate(per_rank):
         for case in cases:
             got = results[case]
             where = f"{case} {variant} P={world} rank {rank}"
-            torch.testing.assert_close(got["loss"], got["reference"], rtol=1e-5, atol=1e-6, msg=where)
+            torch.testing.assert_close(got["loss"], got["reference"], rtol=1e-5, atol=1e-5, msg=where)
             assert got["collectives"]["shard_start"] >= 1, f"{where}: nothing was sequence-parallel"
+            assert got["grads"].keys() == got["expected"].keys()
+            for name, grad in got["grads"].items():
+                torch.testing.assert_close(grad, got["expected"][name], rtol=1e-4, atol=1e-6, msg=f"{where} {name}")
     return per_rank
 
 
-def _rewritten(per_rank: list[dict]) -> None:
+def _flex_notes(results: dict) -> list[str]:
+    return [n for n in results["notes"] if "(FlexAttention)" in n]
+
+
+def _rewritten_by_ulysses(per_rank: list[dict]) -> None:
     for results in per_rank:
         for case, got in results.items():
             assert got["sites"].count("flex_attention") == 1 and not got["fallbacks"], (case, got["fallbacks"])
@@ -36,19 +51,57 @@ def _rewritten(per_rank: list[dict]) -> None:
             assert got["collectives"]["all_to_all"] == 4 and not got["collectives"]["all_gather"], got["collectives"]
 
 
+def _cut_to_rows(per_rank: list[dict], gathers: int = 2) -> None:
+    for results in per_rank:
+        for case, got in results.items():
+            assert got["sites"].count("flex_attention") == 1 and not got["fallbacks"], (case, got["fallbacks"])
+            assert len(_flex_notes(got)) == 1 and "query rows" in _flex_notes(got)[0], got["notes"]
+            # k and v gathered whole, once each (and nothing else: q stays this rank's rows).
+            assert got["collectives"]["all_gather"] == gathers, got["collectives"]
+
+
 def test_ulysses_rewrites_flex_attention():
-    _rewritten(_check(2, "ulysses", CASES))
+    _rewritten_by_ulysses(_check(2, "ulysses", CASES))
+
+
+def test_ring_cuts_flex_attention_to_query_rows():
+    # The log-sum-exp feeds the residual stream too: its rows and gradient must come out right.
+    cases = [*CASES, ("window", 4)]
+    per_rank = _check(2, "ring", cases, lse=True, sac=True)
+    _cut_to_rows(per_rank)
+    for results in per_rank:
+        for got in results.values():
+            # SAC saves Flex's results like SDPA's (ring's op): no attention forward runs again.
+            (report,) = got["sac"]
+            assert report["attention sites kept"] == 2 and report["attention forwards in backward"] == 0, report
+
+
+def test_hybrid_cuts_flex_attention_to_heads_and_rows():
+    per_rank = _check(4, "hybrid", CASES, lse=True, options={"ulysses_degree": 2})
+    _cut_to_rows(per_rank)
+    for results in per_rank:
+        for got in results.values():
+            # SDPA's layer: q/k/v and out; Flex's: q/k/v, out and the log-sum-exp.
+            assert got["collectives"]["all_to_all"] == 5, got["collectives"]
+
+
+@pytest.mark.extended(covered_by="test_ring_cuts_flex_attention_to_query_rows")
+def test_ring_flex_attention_under_inductor_reads_the_cut_block_lists():
+    # Forward only (Inductor has no CPU Flex backward); its CPU kernel skips the blocks the lists leave out.
+    _cut_to_rows(_check(4, "ring", [*CASES, ("window", 4)], backend="inductor"))
+
+
+@pytest.mark.extended(covered_by="test_ring_cuts_flex_attention_to_query_rows")
+def test_ring_flex_attention_on_three_ranks_and_on_blocks_it_cannot_cut():
+    # 96 tokens over 3 ranks: zigzag chunks of 16, whole blocks of 16.
+    _cut_to_rows(_check(3, "ring", CASES, seq=96))
+    # Blocks of 64 over 4 ranks: chunks of 16 (zigzag) or 32 (contiguous) cut them, so it runs whole.
+    for results in _check(4, "ring", [("documents", 4)], block=64):
+        got = results["documents", 4]
+        assert not _flex_notes(got) and any("whole query blocks" in f for f in got["fallbacks"]), got["fallbacks"]
 
 
 @pytest.mark.extended(covered_by="test_ulysses_rewrites_flex_attention")
 def test_ulysses_rewrites_flex_attention_with_fewer_kv_heads_than_ranks():
     # 2 kv heads over 4 ranks: each repeated once so they split (once run whole, gathered).
-    _rewritten(_check(4, "ulysses", [("per_head", 2), ("documents", 2)]))
-
-
-def test_flex_attention_runs_whole_under_ring():
-    # Ring does not rewrite Flex: it runs whole, exactly.
-    cases = [("per_head", 2)]
-    for results in _check(2, "ring", cases):
-        said = results[cases[0]]["notes"]
-        assert any("flex_attention" in n.lower() and "whole" in n for n in said), said
+    _rewritten_by_ulysses(_check(4, "ulysses", [("per_head", 2), ("documents", 2)]))

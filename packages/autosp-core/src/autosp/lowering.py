@@ -66,13 +66,13 @@ SDPA = AttentionSpec(
 
 
 # FlexAttention is a higher-order op that lowering keeps as one node (its score_mod and mask_mod
-# are subgraphs). Only Ulysses rewrites it: each rank holds whole sequences, so the block mask
-# keeps its meaning; ring would need the block mask's tiles per step.
+# are subgraphs). Ulysses gives each rank its heads, ring its query rows, hybrid both
+# (`autosp.flex_blocks` cuts the block mask to them).
 FLEX = AttentionSpec(
     name="flex_attention",
     targets=tuple(t for t in (getattr(torch.ops.higher_order, "flex_attention", None),) if t is not None),
     layout="BHSD",
-    variants=("ulysses",),
+    variants=("ulysses", "ring", "hybrid"),
 )
 
 

@@ -15,11 +15,12 @@ import torch
 
 from autosp.analysis.attention import AttentionSite, hints
 from autosp.errors import AutoSPError, ConfigError
-from autosp.lowering import SDPA, sdpa_args
+from autosp.lowering import FLEX, SDPA, sdpa_args
 from autosp.sharding.context import SPContext, SPValue
 from autosp.sharding.placement import Layout, Replicate, SeqAxis, Shard, zigzag_ranges
 from autosp.sharding.redistribute import to_replicate, to_shard
 from autosp_ring.blocks import acc_dtype, default_scale
+from autosp_ring.flex import ring_flex_rule
 
 # Plugin attention specs with this name are causal sliding-window attention called as
 # ``op(q, k, v, window)`` (see plugins/autosp-window); ring handles them natively.
@@ -27,7 +28,7 @@ SLIDING_WINDOW = "sliding_window"
 
 SUPPORTED = (
     "ring attention supports F.scaled_dot_product_attention (is_causal, and an attn_mask of shape "
-    "[B or 1, H or 1, S or 1, S or 1] or [S, S], boolean or additive), "
+    "[B or 1, H or 1, S or 1, S or 1] or [S, S], boolean or additive), FlexAttention, "
     f"and plugin ops registered as {SLIDING_WINDOW!r} attention (causal sliding window, e.g. autosp-window's "
     "autosp_window.sliding_window_attention)"
 )
@@ -35,6 +36,8 @@ SUPPORTED = (
 
 def check(site: AttentionSite, world: int) -> None:
     """Compile-time refusal of what the ring op cannot compute exactly (runs before any collective)."""
+    if site.spec is FLEX:
+        return  # the rule cuts the block mask, or runs the call whole when it cannot (autosp_ring.flex)
     if site.spec.name not in (SDPA.name, SLIDING_WINDOW):
         raise AutoSPError(f"attention {site.name} is a {site.spec.name!r} op; {SUPPORTED}; or use variant='ulysses'")
     if site.mask_shape is not None and not _tileable(site):
@@ -160,7 +163,9 @@ def whole_mask(ctx: SPContext, site: AttentionSite, call: Call) -> torch.Tensor 
     return mask.contiguous()
 
 
-def ring_attention_rule(ctx: SPContext, node: torch.fx.Node, site: AttentionSite, args: tuple, kwargs: dict) -> SPValue:
+def ring_attention_rule(ctx: SPContext, node: torch.fx.Node, site: AttentionSite, args: tuple, kwargs: dict) -> Any:
+    if site.spec is FLEX:
+        return ring_flex_rule(ctx, node, site, args, kwargs)
     call = parse(node, site, args, kwargs)
     q, k, v = seq_chunks(ctx, site, call)
     mask = whole_mask(ctx, site, call)

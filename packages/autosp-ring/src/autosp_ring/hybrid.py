@@ -10,20 +10,28 @@ Subgroups are made once per (SP group, U) by a compile-time pass, on every rank.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils import _pytree as pytree
 
+from autosp import flex_blocks
 from autosp.analysis.attention import AttentionSite
 from autosp.context import CompileContext
 from autosp.errors import AutoSPError, ConfigError
+from autosp.lowering import FLEX
 from autosp.options import group_timeout
 from autosp.passes.core import leave_to_engine
 from autosp.sharding import collectives as C
 from autosp.sharding.context import SPContext, SPValue
-from autosp.sharding.placement import SeqAxis, Shard
+from autosp.sharding.placement import Replicate, SeqAxis, Shard
+from autosp.sharding.redistribute import to_shard
+from autosp.sharding.rules.base import fallback
 from autosp_ring.attention import balance_chunk, from_bhsd, parse, seq_chunks, whole_mask
+from autosp_ring.flex import CUT, whole
 
 
 @dataclass(frozen=True)
@@ -135,9 +143,52 @@ def qkv_to_heads(
     return tuple(C.all_to_all(packed.contiguous(), 1, 2, g.ulysses).split(sizes, 1))
 
 
-def hybrid_attention_rule(
-    ctx: SPContext, node: torch.fx.Node, site: AttentionSite, args: tuple, kwargs: dict
-) -> SPValue:
+def hybrid_flex_rule(ctx: SPContext, node: torch.fx.Node, site: AttentionSite, args: tuple, kwargs: dict) -> Any:
+    """FlexAttention: H/U heads over the ulysses group's span of query rows, k and v of those heads
+    gathered whole over the ring group (``autosp_ring.flex`` for one group, ``autosp_ulysses.flex``'s
+    head shift for the other); out and the log-sum-exp cross back as SDPA's output does."""
+    g: Groups = ctx.variant_state
+    q, k, v, score_mod, block, scale, options, score_bufs, mask_bufs = args
+    length, heads, rings = site.seq_len, site.heads, ctx.world // g.degree
+    i, rank_u = divmod(ctx.rank, g.degree)
+    per = heads // g.degree
+    block = tuple(whole(ctx, x) for x in block)
+    local = None
+    if isinstance(length, int) and not kwargs and site.kv_seq_len == length and block[0] == length:
+        span = length // rings
+        pieces = ((i * span, (i + 1) * span),)
+        local = flex_blocks.heads_of(block, heads, rank_u * per, (rank_u + 1) * per)
+        local = flex_blocks.rows_of(local, pieces) if local is not None else None
+    if local is None:
+        ctx.fallbacks.append(
+            f"{node.name} (FlexAttention): its block mask does not cut into whole query blocks of {rings} spans "
+            "and its heads; run whole on every rank, q, k and v gathered"
+        )
+        return fallback(ctx, node, args, kwargs)
+    even = Shard(SeqAxis(2, length), ctx.even_ranges(length))
+    ql, kl, vl = (
+        to_shard(ctx, x if isinstance(x, SPValue) else SPValue(x, Replicate(), x), 2, even) for x in (q, k, v)
+    )
+    ctx.note("all_to_all")
+    qh, kh, vh = qkv_to_heads(ql, kl, vl, heads, g, rank_u)
+    kw, vw = (C.all_gather(x.contiguous(), 2, [span] * rings, g.ring, False) for x in (kh, vh))
+    score_mod = flex_blocks.shift_arg(score_mod, flex_blocks.SCORE_HEAD, flex_blocks.offset(rank_u * per))
+    score_mod = flex_blocks.shift_arg(score_mod, flex_blocks.SCORE_QUERY, flex_blocks.global_rows(pieces))
+    score_bufs, mask_bufs = pytree.tree_map(lambda x: whole(ctx, x), (score_bufs, mask_bufs))
+    ctx.notes.append(f"{node.name} (FlexAttention): H/{g.degree} heads per rank, {CUT}")
+    results = node.target(qh, kw, vw, score_mod, local, scale, options, tuple(score_bufs), tuple(mask_bufs))
+    # out [B, H/U, S/R, D] and the log-sum-exp [B, H/U, S/R] go back to all heads of this rank's chunk;
+    # only the results some node reads cross (the log-sum-exp rarely is).
+    read = {user.args[1] for user in node.users if user.target is operator.getitem}
+    return tuple(
+        SPValue(C.all_to_all(t.contiguous(), 2, 1, g.ulysses), even, gval) if n in read else None
+        for n, (t, gval) in enumerate(zip(results, node.meta["val"]))
+    )
+
+
+def hybrid_attention_rule(ctx: SPContext, node: torch.fx.Node, site: AttentionSite, args: tuple, kwargs: dict) -> Any:
+    if site.spec is FLEX:
+        return hybrid_flex_rule(ctx, node, site, args, kwargs)
     g: Groups = ctx.variant_state
     call = parse(node, site, args, kwargs)
     q, k, v = seq_chunks(ctx, site, call)
@@ -158,4 +209,4 @@ def hybrid_attention_rule(
     return SPValue(from_bhsd(site, back), Shard(SeqAxis(sdim, length), ctx.even_ranges(length)), node.meta["val"])
 
 
-__all__ = ["Groups", "hybrid_attention_rule", "make_groups", "qkv_to_heads", "ulysses_degree"]
+__all__ = ["Groups", "hybrid_attention_rule", "hybrid_flex_rule", "make_groups", "qkv_to_heads", "ulysses_degree"]

@@ -12,7 +12,7 @@ from autosp.torch_compat import optimization_hint
 
 aten = torch.ops.aten
 
-# Attention kernels SDPA lowers to, per backend; plugins add their ops through the registry.
+# Attention kernels SDPA lowers to, per backend, and Flex; plugins add their ops through the registry.
 ATTENTION_KERNELS = frozenset(
     op
     for name in (
@@ -26,6 +26,11 @@ ATTENTION_KERNELS = frozenset(
     )
     if hasattr(aten, name)
     for op in [getattr(aten, name).default]
+) | frozenset(
+    # FlexAttention stays one higher-order op in the joint graph, its backward reading (out, lse).
+    op
+    for op in [getattr(torch.ops.higher_order, "flex_attention", None)]
+    if op is not None
 )
 
 MATMULS = frozenset({aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default})

@@ -1,7 +1,8 @@
 """gpu_check's FlexAttention stage: values and every gradient on CUDA, where Flex has a backward.
 
-torch has no FlexAttention backward on CPU, so the CPU suite checks Flex forward only; this runs
-``autosp.verify`` (single-device eager reference, values and gradients) on the CPU suite's model
+torch has no FlexAttention backward on CPU: the CPU suite checks gradients through Flex's reference
+math under ``aot_eager`` and the kernel's forward under Inductor; this runs the fused kernels both
+ways, with ``autosp.verify`` (single-device eager reference, values and gradients) on the CPU suite's model
 (``autosp.testing.models.SdpaThenFlex``: an SDPA layer, then Flex with a per-head ``score_mod``),
 wider, with a block mask of packed documents made outside the compiled function. On the CPU
 (``--quick`` self-test) it compares the loss alone.

@@ -443,6 +443,7 @@ def shard(gm: torch.fx.GraphModule, ctx: CompileContext) -> torch.fx.GraphModule
             ctx.report.collectives[node.target._opname] += 1
     ctx.report.collectives["shard_start"] += sp.counts["shard_start"]
     ctx.report.fallbacks.extend(sp.fallbacks)
+    ctx.report.notes.extend(sp.notes)
     ctx.report.outputs = list(sp.outputs)
     ctx.output_shards = list(sp.output_shards)
     _warn_large_outputs(out, ctx)

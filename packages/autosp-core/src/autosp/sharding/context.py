@@ -64,6 +64,7 @@ class SPContext:
         layout_fn: the variant's choice of sequence layout (``None``: contiguous, even).
         rules: sharding rule per aten op (core's and the plugins'); defaults to core's own.
         variant_state: what the variant prepared for this compile (``SPVariant.prepare``).
+        fallbacks, notes: what the report says of values run whole, and of anything else a rule chose.
     """
 
     rank: int
@@ -74,6 +75,7 @@ class SPContext:
     sites: dict[str, AttentionSite] = field(default_factory=dict)
     counts: Counter = field(default_factory=Counter)
     fallbacks: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
     outputs: list[str] = field(default_factory=list)  # how each tensor output leaves the graph
     sharded_outputs: bool = False  # outputs="sharded": sequence-sharded outputs leave as this rank's piece
     output_shards: list[tuple[int, Any] | None] = field(default_factory=list)  # per output: (dim, length)

@@ -206,11 +206,19 @@ class MeanPoolClassifier(nn.Module):
 
 class SdpaThenFlex(nn.Module):
     """Causal SDPA in one layer, FlexAttention in the next: a slope per global head (``score_mod``),
-    GQA when ``kv_heads < heads``, and the block mask passed in (made outside the compiled call)."""
+    GQA when ``kv_heads < heads``, and the block mask passed in (made outside the compiled call).
 
-    def __init__(self, kv_heads: int, vocab: int = 50, dim: int = 32, heads: int = 4) -> None:
+    ``lse=True`` also feeds Flex's log-sum-exp per head into the residual stream, so its value and
+    gradient count. ``contiguous=True`` copies q, k and v before Flex: torch 2.13's CPU Flex kernel
+    (Inductor) fails to compile on a view of a matmul's output, on one device too."""
+
+    def __init__(
+        self, kv_heads: int, vocab: int = 50, dim: int = 32, heads: int = 4, lse: bool = False, contiguous: bool = False
+    ) -> None:
         super().__init__()
         self.kv_heads, self.heads, self.head_dim = kv_heads, heads, dim // heads
+        self.contiguous = contiguous
+        self.from_lse = nn.Linear(heads, dim) if lse else None
         self.emb = nn.Embedding(vocab, dim)
         self.qkv1 = nn.Linear(dim, 3 * dim)
         self.q2 = nn.Linear(dim, dim)
@@ -228,11 +236,20 @@ class SdpaThenFlex(nn.Module):
         x = x + F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d)
         q = self.q2(x).view(b, s, h, hd).transpose(1, 2)
         k, v = self.kv2(x).view(b, s, 2, kvh, hd).permute(2, 0, 3, 1, 4)
+        if self.contiguous:
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
 
         def head_slope(score, b, h, q_idx, kv_idx):
             return score - (h + 1) * 0.05 * (q_idx - kv_idx).abs()  # a different slope per global head
 
-        y = flex_attention(q, k, v, score_mod=head_slope, block_mask=block_mask, enable_gqa=kvh != h)
+        gqa = kvh != h
+        if self.from_lse is not None:
+            y, lse = flex_attention(
+                q, k, v, score_mod=head_slope, block_mask=block_mask, enable_gqa=gqa, return_lse=True
+            )
+            x = x + self.from_lse(lse.transpose(1, 2))
+        else:
+            y = flex_attention(q, k, v, score_mod=head_slope, block_mask=block_mask, enable_gqa=gqa)
         x = x + self.out(y.transpose(1, 2).reshape(b, s, d))
         return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
 
