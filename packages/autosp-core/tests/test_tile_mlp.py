@@ -32,7 +32,9 @@ def _whole(x, w_in, b_in, w_gate, w_out, b_out, act):
 @pytest.mark.parametrize("act", ACTIVATIONS)
 @pytest.mark.parametrize("chunk", [7, 25, 1000])  # rows not dividing N, dividing it, and one chunk
 def test_op_equals_the_whole_mlp_values_and_gradients(gated: bool, act: str, chunk: int) -> None:
-    g = torch.Generator().manual_seed(hash((gated, act)) % 1000)
+    # Not hash(): str hashes change per process (PYTHONHASHSEED), and so did the inputs, and so did the
+    # rounding: one run in many drew a gradient a chunked sum missed by 1.01e-6.
+    g = torch.Generator().manual_seed(ACTIVATIONS.index(act) * 2 + gated)
 
     def p(*shape: int) -> torch.Tensor:
         return (torch.randn(*shape, generator=g) / shape[-1] ** 0.5).requires_grad_()
@@ -47,8 +49,10 @@ def test_op_equals_the_whole_mlp_values_and_gradients(gated: bool, act: str, chu
     out = tiled_mlp(x, w_in, b_in, w_gate, w_out, b_out, act, chunk)
     got = torch.autograd.grad(out, leaves, grad)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    # Gradients sum over 50 rows in chunks, in another order than the whole op's: fp32 rounding of
+    # sums of size ~5. A wrong chunk or a missing row is off by orders more.
     for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 class _LiveBytes(TorchDispatchMode):
