@@ -105,3 +105,60 @@ def run(
             "sac": [r.sac for r in reports],
         }
     return results
+
+
+class FlexCaptures(torch.nn.Module):
+    """Flex whose mods read tensors they capture: a learned bias per (head, distance), a parameter, in
+    ``score_mod``; document ids made from the input tokens (a new document after each token 0) in
+    ``score_mod``; a causal block mask."""
+
+    def __init__(self, seq: int, dim: int = 32) -> None:
+        super().__init__()
+        self.seq = seq
+        self.emb = torch.nn.Embedding(VOCAB, dim)
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.out = torch.nn.Linear(dim, dim)
+        self.head = torch.nn.Linear(dim, VOCAB)
+        self.bias = torch.nn.Parameter(torch.randn(HEADS, 2 * seq - 1) * 0.3)
+
+    def forward(self, idx: torch.Tensor, block_mask, labels: torch.Tensor) -> torch.Tensor:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        x = self.emb(idx)
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, HEADS, d // HEADS).permute(2, 0, 3, 1, 4)
+        docs = (idx == 0).cumsum(-1)
+        bias, far = self.bias, self.seq - 1
+
+        def mod(score, b, h, q_idx, kv_idx):
+            same = docs[b, q_idx] == docs[b, kv_idx]
+            return torch.where(same, score + bias[h, q_idx - kv_idx + far], -float("inf"))
+
+        y = flex_attention(q, k, v, score_mod=mod, block_mask=block_mask)
+        x = x + self.out(y.transpose(1, 2).reshape(b, s, d))
+        return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
+def run_captures(rank: int, world: int, variant: str, seq: int) -> dict:
+    import autosp
+
+    torch.manual_seed(0)
+    model = FlexCaptures(seq)
+    idx = torch.randint(1, VOCAB, (2, seq))
+    idx[0, seq // 3] = idx[1, seq // 5] = idx[1, seq // 2 + 3] = 0
+    causal = create_block_mask(lambda b, h, q, k: k <= q, None, None, seq, seq, device="cpu", BLOCK_SIZE=16)
+    args = (idx, causal, torch.randint(0, VOCAB, (2, seq)))
+    with _cpu_backward(True), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reference = model(*args)
+        reference.backward()
+        expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        loss = autosp.compile(model, sp_size=world, backend="aot_eager", variant=variant)(*args)
+        loss.backward()
+    return {
+        "loss": loss.detach(),
+        "reference": reference.detach(),
+        "grads": {n: p.grad for n, p in model.named_parameters()},
+        "expected": expected,
+    }

@@ -18,7 +18,7 @@ import functools
 
 import pytest
 import torch
-from flex_workers import run
+from flex_workers import run, run_captures
 from harness import run_spmd
 
 CASES = [("documents", 4), ("per_head", 2)]
@@ -83,6 +83,19 @@ def test_hybrid_cuts_flex_attention_to_heads_and_rows():
         for got in results.values():
             # SDPA's layer: q/k/v and out; Flex's: q/k/v, out and the log-sum-exp.
             assert got["collectives"]["all_to_all"] == 5, got["collectives"]
+
+
+def test_mods_reading_captured_tensors():
+    # A learned bias table (its gradient flows through Flex's backward into the parameter) and
+    # document ids made from the input. Lowering crashed on both ("NYI: Functionalize rule for
+    # custom_function_call"), and once past that the bias's gradient did ("can not return a
+    # BatchedTensor"); plain torch.compile runs them.
+    for variant in ("ulysses", "ring"):
+        for rank, got in enumerate(run_spmd(run_captures, 2, variant, 128)):
+            where = f"{variant} rank {rank}"
+            torch.testing.assert_close(got["loss"], got["reference"], rtol=1e-5, atol=1e-5, msg=where)
+            for name, grad in got["grads"].items():
+                torch.testing.assert_close(grad, got["expected"][name], rtol=1e-4, atol=1e-6, msg=f"{where} {name}")
 
 
 @pytest.mark.extended(covered_by="test_ring_cuts_flex_attention_to_query_rows")

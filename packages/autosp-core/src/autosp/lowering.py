@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from autosp.analysis.attention import SDPA_SIGNATURE, AttentionSpec
+from autosp.flex_mods import call_unfunctionalized
 
 
 @torch.library.custom_op("autosp::sdpa", mutates_args=())
@@ -126,6 +127,8 @@ class _GradModeInterpreter(torch.fx.Interpreter):
         return torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t if id(t) in given else t.detach(), out)
 
     def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        if target in FLEX.targets:
+            return self._as_eager(call_unfunctionalized(target, args, kwargs), args, kwargs)
         return self._as_eager(super().call_function(target, args, kwargs), args, kwargs)
 
     def call_method(self, target: Any, args: tuple, kwargs: dict) -> Any:

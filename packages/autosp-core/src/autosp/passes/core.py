@@ -18,6 +18,7 @@ from autosp.analysis.eager import (
 from autosp.analysis.source import user_line
 from autosp.context import CompileContext
 from autosp.errors import AutoSPError
+from autosp.flex_mods import restore_mod_index
 from autosp.guards import AttentionNotSharded
 from autosp.lowering import FLEX, SDPA, insert_leaves, leaves_for_kernels, lower_to_aten, sdpa_args
 from autosp.passes.choose_variant import choose_again
@@ -444,6 +445,7 @@ def shard(gm: torch.fx.GraphModule, ctx: CompileContext) -> torch.fx.GraphModule
     ctx.report.collectives["shard_start"] += sp.counts["shard_start"]
     ctx.report.fallbacks.extend(sp.fallbacks)
     ctx.report.notes.extend(sp.notes)
+    restore_mod_index(out, FLEX.targets)
     ctx.report.outputs = list(sp.outputs)
     ctx.output_shards = list(sp.output_shards)
     _warn_large_outputs(out, ctx)
