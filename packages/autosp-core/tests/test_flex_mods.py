@@ -53,3 +53,37 @@ def test_a_mod_that_writes_in_place_is_refused():
     gm = _graph_with_mod(writes)
     with pytest.raises(AutoSPError, match="writes in place"):
         flex_mods.call_unfunctionalized(FLEX, (None, None, None, gm.score_mod), {})
+
+
+def _dynamo_graph(monkeypatch, transform) -> torch.fx.GraphModule:
+    """Dynamo's graph of Flex whose score_mod reads ``transform(rel)``, rel a leaf requiring grad."""
+    import torch.nn.attention.flex_attention as flex
+
+    monkeypatch.setattr(flex, "_validate_device", lambda *args: None)  # CPU has no Flex backward to check for
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    def program(q, rel):
+        r = transform(rel)
+        return flex.flex_attention(q, q, q, score_mod=lambda s, b, h, qi, ki: s + r[h, qi - ki + 15])
+
+    torch._dynamo.reset()
+    rel = torch.randn(2, 31, requires_grad=True)
+    torch.compile(program, backend=keep, fullgraph=True)(torch.randn(1, 2, 16, 8, requires_grad=True), rel)
+    return graphs[0]
+
+
+def test_a_mod_reading_a_computed_tensor_that_requires_grad_is_refused(monkeypatch):
+    gm = _dynamo_graph(monkeypatch, lambda rel: rel * 2)
+    with pytest.raises(
+        AutoSPError, match=r"reads .*computed in the compiled code that requires grad.*Read the parameter"
+    ):
+        flex_mods.refuse_computed_captures(gm, (FLEX,), True, lambda node: "")
+    flex_mods.refuse_computed_captures(gm, (FLEX,), False, lambda node: "")  # nothing is differentiated
+    # The input itself (a parameter is one) and a detached tensor are fine.
+    flex_mods.refuse_computed_captures(_dynamo_graph(monkeypatch, lambda rel: rel), (FLEX,), True, lambda node: "")
+    detached = _dynamo_graph(monkeypatch, lambda rel: rel.detach() * 2)
+    flex_mods.refuse_computed_captures(detached, (FLEX,), True, lambda node: "")

@@ -18,6 +18,7 @@ AutoSP's traces break that:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -56,6 +57,39 @@ def _refuse_writes(mod: torch.fx.GraphModule) -> None:
             )
 
 
+def refuse_computed_captures(
+    gm: torch.fx.GraphModule, flex_ops: tuple, grad_enabled: bool, where: Callable[[torch.fx.Node], str]
+) -> None:
+    """Refuse a Flex mod that captures a tensor the compiled code computes and that requires grad.
+
+    torch 2.13 differentiates a mod's captured tensors only when they are graph inputs (a
+    parameter): for one computed in the graph (``self.bias * 2``, an activation) AOT autograd's
+    backward fails ("Expected a proper Tensor but got None"), plain ``torch.compile`` too, after
+    the forward ran. Said before any collective, with what to do instead.
+    """
+    if not grad_enabled:
+        return
+    for module in gm.modules():
+        if not isinstance(module, torch.fx.GraphModule):
+            continue
+        for node in module.graph.nodes:
+            if node.op != "call_function" or node.target not in flex_ops:
+                continue
+            for buffer in tree_leaves(node.args[7:]):
+                value = buffer.meta.get("example_value") if isinstance(buffer, torch.fx.Node) else None
+                if buffer.op in ("placeholder", "get_attr") or not isinstance(value, torch.Tensor):
+                    continue
+                if value.requires_grad:
+                    line = where(node)
+                    raise AutoSPError(
+                        f"a FlexAttention score_mod or mask_mod reads {buffer.name}, a tensor computed in the compiled "
+                        f"code that requires grad{f' ({line})' if line else ''}: torch 2.13 cannot differentiate "
+                        "such a read under torch.compile (its backward fails, on one device too). Read the parameter "
+                        "itself in the mod and compute there (score + 2 * bias[h, d] rather than capturing "
+                        "bias * 2), or detach the tensor if it needs no gradient"
+                    )
+
+
 def restore_mod_index(gm: torch.fx.GraphModule, flex_ops: tuple) -> int:
     """``aten.index`` -> ``mod_index`` in the mods of every Flex call of ``gm``; returns how many."""
     from torch._dynamo._trace_wrapped_higher_order_op import mod_index
@@ -80,4 +114,4 @@ def restore_mod_index(gm: torch.fx.GraphModule, flex_ops: tuple) -> int:
     return count
 
 
-__all__ = ["call_unfunctionalized", "restore_mod_index"]
+__all__ = ["call_unfunctionalized", "refuse_computed_captures", "restore_mod_index"]

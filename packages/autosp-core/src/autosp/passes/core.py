@@ -18,7 +18,7 @@ from autosp.analysis.eager import (
 from autosp.analysis.source import user_line
 from autosp.context import CompileContext
 from autosp.errors import AutoSPError
-from autosp.flex_mods import restore_mod_index
+from autosp.flex_mods import refuse_computed_captures, restore_mod_index
 from autosp.guards import AttentionNotSharded
 from autosp.lowering import FLEX, SDPA, insert_leaves, leaves_for_kernels, lower_to_aten, sdpa_args
 from autosp.passes.choose_variant import choose_again
@@ -344,6 +344,7 @@ def _take_written_out(aten_gm: torch.fx.GraphModule, ctx: CompileContext) -> tup
 def lower(gm: torch.fx.GraphModule, ctx: CompileContext) -> torch.fx.GraphModule:
     # Compiled during the call: its grad mode is the call's.
     refuse_untracked_writes(gm, torch.is_grad_enabled(), user_line)
+    refuse_computed_captures(gm, FLEX.targets, torch.is_grad_enabled(), user_line)
     dynamo_lengths = _site_lengths(ctx.sites)
     insert_leaves(gm, _specs(ctx))
     aten_gm = lower_to_aten(gm, ctx.fake_inputs, ctx.fake_mode)
