@@ -1198,6 +1198,45 @@ case(aten.topk.default, "over-seq-falls-back", args(x3, 3, 1), shard(1, "zigzag"
 case(aten.sort.default, "over-seq-falls-back", args(x3, 1), shard(1))
 
 
+# Reductions and scans along other axes than the sequence: token-wise; along it they gather.
+def x4(g: torch.Generator) -> torch.Tensor:
+    return randn(g, B, 3, S, D)
+
+
+_INT_RESULTS = {"requires_grad": (False,)}  # argmax and friends: integer results, no gradient
+ALONG = [
+    (aten.amax.default, args(x3, [-1], True), args(x3, [1]), {}),
+    (aten.amin.default, args(x3, [2]), args(x3, [0, 1]), {}),
+    (aten.logsumexp.default, args(x3, [2]), args(x3, [1], True), {}),
+    (aten.max.dim, args(x3, 2), args(x3, 1, True), {}),
+    (aten.min.dim, args(x3, -1, True), args(x3, 1), {}),
+    (aten.argmax.default, args(x3, 2), args(x3), _INT_RESULTS),
+    (aten.argmin.default, args(x3, 0, True), args(x3, 1), _INT_RESULTS),
+    (aten.median.dim, args(x3, 2), args(x3, 1), {}),
+    (aten.mode.default, args(lambda g: randn(g, B, S, D).round()), args(x3, 1), {}),
+    (aten.any.dim, args(lambda g: mask(g, B, S, D), 2), args(lambda g: mask(g, B, S, D), 1), _INT_RESULTS),
+    (aten.any.dims, args(lambda g: mask(g, B, S, D), [0, 2]), args(lambda g: mask(g, B, S, D)), _INT_RESULTS),
+    (aten.all.dim, args(lambda g: mask(g, B, S, D), 0), args(lambda g: mask(g, B, S, D), 1), _INT_RESULTS),
+    (aten.prod.dim_int, args(x3, 2), args(x3, 1), {}),
+    (aten.kthvalue.default, args(x3, 2), args(x3, 2, 1), {}),
+    (aten.linalg_vector_norm.default, args(x3, 2, [-1], True), args(x3, 2, [1]), {}),
+    (aten.var.correction, args(x3, [2], correction=1), args(x3, None, correction=0), {}),
+    (aten.std.correction, args(x3, [2], correction=1, keepdim=True), args(x3, [1], correction=1), {}),
+    (aten.var_mean.correction, args(x3, [0], correction=0), args(x3, [1, 2], correction=1), {}),
+    (aten.cumprod.default, args(x3, 2), args(x3, 1), {}),
+    (aten.cummax.default, args(x3, -1), args(x3, 1), {}),
+    (aten.cummin.default, args(x3, 0), args(x3, 1), {}),
+    (aten.logcumsumexp.default, args(x3, 2), args(x3, 1), {}),
+]
+for _op, _other, _seq, _opts in ALONG:
+    for lay in SEQ_LAYOUTS:
+        case(_op, f"along-other-{lay}", _other, shard(1, lay), expect=(Shard,) * len(_op._schema.returns), **_opts)
+    case(_op, "along-seq-falls-back", _seq, shard(1, "zigzag"), **_opts)
+case(aten.amax.default, "folded-[B*S,D]", args(lambda g: randn(g, B * S, D), [1]), shard(0, "zigzag", length=S))
+case(aten.linalg_vector_norm.default, "heads-[B,H,S,D]", args(x4, 2, [-1]), shard(2, "zigzag"), expect=(Shard,))
+case(aten.max.dim, "replicated-with-axis", args(x3, 2), rs(1), expect=(Replicate, Replicate))
+
+
 def _case_seed(c: Case) -> int:
     return zlib.crc32(c.id.encode())
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -129,6 +130,68 @@ RULES[aten._log_softmax.default] = _rowwise(_softmax_dims)
 RULES[aten.native_layer_norm.default] = _rowwise(_norm_dims)
 if hasattr(aten, "_fused_rms_norm"):
     RULES[aten._fused_rms_norm.default] = _rowwise(_norm_dims)
+
+
+# Reductions and scans along other axes than the sequence are token-wise: each rank computes its
+# positions' results, the sequence axis kept where it lands (QK-norm's vector norm over the head
+# dim, a max over experts or classes). Along the sequence they run whole, their input gathered:
+# `Partial` is a summand, which a max or a median is not.
+@dataclass(frozen=True)
+class _Along:
+    dim_at: int  # where the dim argument sits (an int, a list, or None/[] for every dim)
+    keepdim_at: int | str | None  # its position, its keyword (var/std), or None for scans (shape kept)
+
+
+_ALONG = {
+    aten.amax.default: _Along(1, 2),
+    aten.amin.default: _Along(1, 2),
+    aten.logsumexp.default: _Along(1, 2),
+    aten.max.dim: _Along(1, 2),
+    aten.min.dim: _Along(1, 2),
+    aten.argmax.default: _Along(1, 2),
+    aten.argmin.default: _Along(1, 2),
+    aten.median.dim: _Along(1, 2),
+    aten.mode.default: _Along(1, 2),
+    aten.any.dim: _Along(1, 2),
+    aten.any.dims: _Along(1, 2),
+    aten.all.dim: _Along(1, 2),
+    aten.prod.dim_int: _Along(1, 2),
+    aten.kthvalue.default: _Along(2, 3),
+    aten.linalg_vector_norm.default: _Along(2, 3),
+    aten.var.correction: _Along(1, "keepdim"),
+    aten.std.correction: _Along(1, "keepdim"),
+    aten.var_mean.correction: _Along(1, "keepdim"),
+    aten.cumprod.default: _Along(1, None),
+    aten.cummax.default: _Along(1, None),
+    aten.cummin.default: _Along(1, None),
+    aten.logcumsumexp.default: _Along(1, None),
+}
+_DEFAULT_DIM = {aten.kthvalue.default: -1, aten.mode.default: -1}
+
+
+def along_other_axes_rule(ctx, node, args, kwargs):
+    v, along = args[0], _ALONG[node.target]
+    p = v.placement
+    if isinstance(p, HeadShard) or any(not isinstance(r.placement, Replicate) for r in values((args[1:], kwargs))):
+        return fallback(ctx, node, args, kwargs)
+    dim = args[along.dim_at] if len(args) > along.dim_at else kwargs.get("dim", _DEFAULT_DIM.get(node.target))
+    dims = [normalize_dim(d, v.ndim) for d in ([dim] if isinstance(dim, int) else list(dim or ()))]
+    seq = seq_dim(p)
+    if seq is None or not dims or seq in dims:  # every dim, or the sequence's among them
+        return replicated(ctx, node, args, kwargs) if isinstance(p, Replicate) else fallback(ctx, node, args, kwargs)
+    if along.keepdim_at is None:
+        keepdim = True
+    elif isinstance(along.keepdim_at, str):
+        keepdim = bool(kwargs.get(along.keepdim_at, False))
+    else:
+        keepdim = bool(args[along.keepdim_at]) if len(args) > along.keepdim_at else bool(kwargs.get("keepdim", False))
+    axis = p.axis.at(_after_reduce(seq, dims, keepdim))
+    placement = Shard(axis, p.ranges) if isinstance(p, Shard) else Replicate(axis)
+    return wrap(call(node, args, kwargs), node.meta["val"], lambda _i, _g: placement)
+
+
+for _op in _ALONG:
+    RULES[_op] = along_other_axes_rule
 
 
 # --- loss --------------------------------------------------------------------------------------
