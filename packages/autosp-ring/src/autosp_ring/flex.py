@@ -55,7 +55,9 @@ def _run_whole(ctx: SPContext, node: torch.fx.Node, args: tuple, kwargs: dict, w
 def ring_flex_rule(ctx: SPContext, node: torch.fx.Node, site: AttentionSite, args: tuple, kwargs: dict) -> Any:
     q, k, v, score_mod, block, scale, options, score_bufs, mask_bufs = args
     length, sdim = site.seq_len, site.axis("S")
-    if kwargs or site.kv_seq_len != length:
+    if kwargs:
+        return _run_whole(ctx, node, args, kwargs, f"keyword arguments this rule does not know ({sorted(kwargs)})")
+    if site.kv_seq_len != length:
         return _run_whole(ctx, node, args, kwargs, "keys of another length than the queries")
     block = tuple(whole(ctx, x) for x in block)
     layout = row_layout(ctx, length, block)

@@ -145,8 +145,8 @@ def qkv_to_heads(
 
 def hybrid_flex_rule(ctx: SPContext, node: torch.fx.Node, site: AttentionSite, args: tuple, kwargs: dict) -> Any:
     """FlexAttention: H/U heads over the ulysses group's span of query rows, k and v of those heads
-    gathered whole over the ring group (``autosp_ring.flex`` for one group, ``autosp_ulysses.flex``'s
-    head shift for the other); out and the log-sum-exp cross back as SDPA's output does."""
+    gathered whole over the ring group, the block mask cut to both (``autosp.flex_blocks``); out and
+    the log-sum-exp cross back as SDPA's output does."""
     g: Groups = ctx.variant_state
     q, k, v, score_mod, block, scale, options, score_bufs, mask_bufs = args
     length, heads, rings = site.seq_len, site.heads, ctx.world // g.degree
@@ -179,7 +179,11 @@ def hybrid_flex_rule(ctx: SPContext, node: torch.fx.Node, site: AttentionSite, a
     results = node.target(qh, kw, vw, score_mod, local, scale, options, tuple(score_bufs), tuple(mask_bufs))
     # out [B, H/U, S/R, D] and the log-sum-exp [B, H/U, S/R] go back to all heads of this rank's chunk;
     # only the results some node reads cross (the log-sum-exp rarely is).
-    read = {user.args[1] for user in node.users if user.target is operator.getitem}
+    users = list(node.users)
+    if all(user.target is operator.getitem for user in users):
+        read = {user.args[1] for user in users}
+    else:
+        read = set(range(len(results)))  # the tuple itself is used
     return tuple(
         SPValue(C.all_to_all(t.contiguous(), 2, 1, g.ulysses), even, gval) if n in read else None
         for n, (t, gval) in enumerate(zip(results, node.meta["val"]))
