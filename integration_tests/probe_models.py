@@ -1519,3 +1519,37 @@ BUILDERS.update(
     }
 )
 NAMES = list(BUILDERS)
+
+
+class FeatureReductions(LMBase):
+    """Reductions along features, token by token: cosine attention (F.normalize of q and k, a vector
+    norm over the head dim), a router's max and argmax over experts and a lookup of the chosen
+    expert's vector (``experts[pick]``), a per-token log-sum-exp z-loss, a norm written with var/std
+    over the hidden dim, a running max over heads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(DIM, 4)
+        self.experts = nn.Parameter(torch.randn(4, DIM) * 0.1)
+        self.scale = nn.Parameter(torch.tensor(3.0))
+        self.cls = nn.Linear(DIM, CLASSES)
+
+    def forward(self, ids, y):
+        x = self.embed(ids)
+        B, S, _ = x.shape
+        q, k, v = self.attn.heads(self.ln(x))
+        q, k = F.normalize(q, dim=-1) * self.scale, F.normalize(k, dim=-1)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.attn.out(a.transpose(1, 2).reshape(B, S, DIM))
+        logits = self.router(x)
+        top, pick = logits.max(-1)
+        x = x + top[..., None] * self.experts[pick] + self.experts[logits.argmax(-1)]
+        h = (x - x.mean(-1, keepdim=True)) / torch.sqrt(x.var(-1, keepdim=True, unbiased=False) + 1e-5)
+        h = h * x.std(-1, keepdim=True).detach()
+        h = h + torch.cummax(h.view(B, S, HEADS, HD), dim=2).values.reshape(B, S, DIM)
+        z = torch.logsumexp(self.head(h), dim=-1).pow(2).mean()
+        return self.lm_loss(h, ids) + 1e-3 * z + F.cross_entropy(self.cls((h.amax(-1, keepdim=True) * h).mean(1)), y)
+
+
+BUILDERS["feature-reductions"] = lambda s: FeatureReductions()
+NAMES = list(BUILDERS)

@@ -82,6 +82,8 @@ PROBES = {
         # Fifth round: an attention over 3 landmarks (not splitting over 2 ranks), wider value heads.
         ("landmarks", 18, 2),
         ("wide-value-heads", 16, 2),
+        # Reductions along features (max, argmax, vector norm, var/std, cummax, logsumexp): token-wise.
+        ("feature-reductions", 16, 2),
     ],
 }
 # Under Inductor: collectives whose order Inductor would choose by rank-dependent sizes (two
@@ -92,6 +94,7 @@ INDUCTOR = [("reverse-attention", 16, 2), ("last-queries", 16, 2), ("mix-positio
 INDUCTOR += [("chunk-local-mask", 16, 2)]
 # Rows every key of which finfo.min masks: ring's count-weighted merge, and the written form kept as written.
 INDUCTOR += [("leftpad-finfo", 16, 2), ("leftpad-finfo-written", 16, 2)]
+INDUCTOR += [("feature-reductions", 16, 2)]
 # Token mixing beyond attention, with SAC on (the min-cut partitioner, which once merged equal
 # collectives on one rank by CSE: the position loop's all-reduces then paired wrongly across ranks).
 MIXERS = [
@@ -331,6 +334,15 @@ def test_gradient_hooks_under_other_variants(variant: str, world: int, seq: int,
     probes = [(name, seq, batch) for name, _, batch in HOOK_PROBES]
     per_rank = run_spmd(run_probes, world, probes, variant, backend, {"fullgraph": False})
     _hooks_exact(per_rank, probes, f"{variant} {backend} P={world}")
+
+
+def test_reductions_along_features_and_lookups_stay_sharded(pool: SPMDPool) -> None:
+    # Max, argmax, vector norm, var/std, cummax and logsumexp over features, and table[idx] lookups,
+    # are token-wise: exact, and nothing gathered (F.normalize's vector norm once gathered q and k
+    # whole, and experts[choice] its index).
+    probes = [("feature-reductions", 16, 2)]
+    for where, r in _exact(pool.run(run_probes, probes, "ulysses"), probes, "ulysses"):
+        assert not r["fallbacks"], f"{where}: {r['fallbacks']}"
 
 
 def test_length_not_divisible_is_refused(pool: SPMDPool) -> None:

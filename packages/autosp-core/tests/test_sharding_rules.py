@@ -1198,6 +1198,44 @@ case(aten.topk.default, "over-seq-falls-back", args(x3, 3, 1), shard(1, "zigzag"
 case(aten.sort.default, "over-seq-falls-back", args(x3, 1), shard(1))
 
 
+# table[idx] with one integer index: a lookup per index (cos[position_ids], experts[choice]).
+for lay in SEQ_LAYOUTS:
+    case(
+        aten.index.Tensor,
+        f"lookup-{lay}",
+        args(lambda g: randn(g, V, D), [lambda g: ints(g, V, B, S)]),
+        R,
+        shard(1, lay),
+        expect=(Shard,),
+    )
+case(
+    aten.index.Tensor,
+    "lookup-starts-sharding",
+    args(lambda g: randn(g, V, D), [lambda g: ints(g, V, B, S)]),
+    R,
+    rs(1),
+    layout="zigzag",
+    expect=(Shard,),
+)
+case(
+    aten.index.Tensor,
+    "lookup-replicated",
+    args(lambda g: randn(g, V, D), [lambda g: ints(g, V, B)]),
+    R,
+    R,
+    expect=(Replicate,),
+)
+case(
+    aten.index.Tensor,
+    "two-indices-fall-back",
+    args(lambda g: randn(g, V, V), [lambda g: ints(g, V, B, S), lambda g: ints(g, V, B, S)]),
+    R,
+    shard(1),
+    shard(1),
+)
+case(aten.index.Tensor, "sharded-table-falls-back", args(x3, [lambda g: ints(g, B, 3)]), shard(1, "zigzag"), R)
+
+
 # Reductions and scans along other axes than the sequence: token-wise; along it they gather.
 def x4(g: torch.Generator) -> torch.Tensor:
     return randn(g, B, 3, S, D)

@@ -154,3 +154,23 @@ def embedding_rule(ctx, node, args, kwargs):
     if isinstance(p, Replicate):
         return SPValue(out, p, node.meta["val"])
     return fallback(ctx, node, args, kwargs)
+
+
+@rule(aten.index.Tensor)
+def table_lookup_rule(ctx, node, args, kwargs):
+    """``table[idx]`` with one integer index tensor: a lookup per index, like ``embedding``.
+
+    ``cos[position_ids]``, ``experts[choice]``: the result's leading dims are the index's, so it
+    keeps the index's placement; the table is read whole (its local gradient is partial, the
+    convention for whole values). Anything else (several index tensors, a distributed table)
+    runs whole.
+    """
+    table, indices = args[0], args[1]
+    lookup = len(indices) == 1 and isinstance(indices[0], SPValue) and not indices[0].local.dtype.is_floating_point
+    if not lookup or indices[0].local.dtype == torch.bool or kwargs or not isinstance(table.placement, Replicate):
+        return fallback(ctx, node, args, kwargs)
+    idx = _trigger(ctx, indices[0])
+    p = idx.placement
+    if not isinstance(p, (Shard, Replicate)):
+        return fallback(ctx, node, (table, [idx]), kwargs)
+    return SPValue(aten.index.Tensor(table.local, [idx.local]), p, node.meta["val"])
