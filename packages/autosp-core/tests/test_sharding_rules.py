@@ -1273,6 +1273,7 @@ for _op, _other, _seq, _opts in ALONG:
 case(aten.amax.default, "folded-[B*S,D]", args(lambda g: randn(g, B * S, D), [1]), shard(0, "zigzag", length=S))
 case(aten.linalg_vector_norm.default, "heads-[B,H,S,D]", args(x4, 2, [-1]), shard(2, "zigzag"), expect=(Shard,))
 case(aten.max.dim, "replicated-with-axis", args(x3, 2), rs(1), expect=(Replicate, Replicate))
+case(aten.amax.default, "a-scalar", args(lambda g: randn(g), []), R, expect=(Replicate,))
 
 
 def _case_seed(c: Case) -> int:

@@ -174,9 +174,9 @@ def along_other_axes_rule(ctx, node, args, kwargs):
     p = v.placement
     if isinstance(p, HeadShard) or any(not isinstance(r.placement, Replicate) for r in values((args[1:], kwargs))):
         return fallback(ctx, node, args, kwargs)
-    dim = args[along.dim_at] if len(args) > along.dim_at else kwargs.get("dim", _DEFAULT_DIM.get(node.target))
-    dims = [normalize_dim(d, v.ndim) for d in ([dim] if isinstance(dim, int) else list(dim or ()))]
     seq = seq_dim(p)
+    dim = args[along.dim_at] if len(args) > along.dim_at else kwargs.get("dim", _DEFAULT_DIM.get(node.target))
+    dims = [normalize_dim(d, v.ndim) for d in ([dim] if isinstance(dim, int) else list(dim or ()))] if v.ndim else []
     if seq is None or not dims or seq in dims:  # every dim, or the sequence's among them
         return replicated(ctx, node, args, kwargs) if isinstance(p, Replicate) else fallback(ctx, node, args, kwargs)
     if along.keepdim_at is None:
