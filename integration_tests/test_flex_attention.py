@@ -31,12 +31,17 @@ def _check(world: int, variant: str, cases: list, seq: int = 128, **kw) -> list[
         for case in cases:
             got = results[case]
             where = f"{case} {variant} P={world} rank {rank}"
-            torch.testing.assert_close(got["loss"], got["reference"], rtol=1e-5, atol=1e-5, msg=where)
+            _matches_eager(got, where)
             assert got["collectives"]["shard_start"] >= 1, f"{where}: nothing was sequence-parallel"
-            assert got["grads"].keys() == got["expected"].keys()
-            for name, grad in got["grads"].items():
-                torch.testing.assert_close(grad, got["expected"][name], rtol=1e-4, atol=1e-6, msg=f"{where} {name}")
     return per_rank
+
+
+def _matches_eager(got: dict, where: str) -> None:
+    """The loss and every parameter's gradient (where the run took them) equal single-device eager's."""
+    torch.testing.assert_close(got["loss"], got["reference"], rtol=1e-5, atol=1e-5, msg=where)
+    assert got["grads"].keys() == got["expected"].keys()
+    for name, grad in got["grads"].items():
+        torch.testing.assert_close(grad, got["expected"][name], rtol=1e-4, atol=1e-6, msg=f"{where} {name}")
 
 
 def _flex_notes(results: dict) -> list[str]:
@@ -92,10 +97,7 @@ def test_mods_reading_captured_tensors():
     # BatchedTensor"); plain torch.compile runs them.
     for variant in ("ulysses", "ring"):
         for rank, got in enumerate(run_spmd(run_captures, 2, variant, 128)):
-            where = f"{variant} rank {rank}"
-            torch.testing.assert_close(got["loss"], got["reference"], rtol=1e-5, atol=1e-5, msg=where)
-            for name, grad in got["grads"].items():
-                torch.testing.assert_close(grad, got["expected"][name], rtol=1e-4, atol=1e-6, msg=f"{where} {name}")
+            _matches_eager(got, f"{variant} rank {rank}")
 
 
 @pytest.mark.extended(covered_by="test_ring_cuts_flex_attention_to_query_rows")

@@ -25,15 +25,11 @@ from autosp import flex_blocks
 from autosp.analysis.attention import AttentionSite
 from autosp.sharding.context import SPContext, SPValue
 from autosp.sharding.placement import Layout, Replicate, SeqAxis, Shard
-from autosp.sharding.redistribute import to_replicate, to_shard
+from autosp.sharding.redistribute import to_shard, whole_local
 from autosp.sharding.rules.base import fallback
 
 # What the report says of each call cut to query rows (ring and hybrid).
 CUT = "this rank's query rows against k and v gathered whole, the block mask cut to those rows"
-
-
-def whole(ctx: SPContext, x: Any) -> Any:
-    return to_replicate(ctx, x).local if isinstance(x, SPValue) else x
 
 
 def row_layout(ctx: SPContext, length: Any, block: tuple) -> Layout | None:
@@ -59,7 +55,7 @@ def ring_flex_rule(ctx: SPContext, node: torch.fx.Node, site: AttentionSite, arg
         return _run_whole(ctx, node, args, kwargs, f"keyword arguments this rule does not know ({sorted(kwargs)})")
     if site.kv_seq_len != length:
         return _run_whole(ctx, node, args, kwargs, "keys of another length than the queries")
-    block = tuple(whole(ctx, x) for x in block)
+    block = tuple(whole_local(ctx, x) for x in block)
     layout = row_layout(ctx, length, block)
     if layout is None:
         return _run_whole(
@@ -75,14 +71,22 @@ def ring_flex_rule(ctx: SPContext, node: torch.fx.Node, site: AttentionSite, arg
     if isinstance(q.placement, Shard) and not q.placement.same_layout(target):
         ctx.note("relayout")
     # Captured buffers (document ids, biases) index global positions: whole on every rank.
-    score_bufs, mask_bufs = pytree.tree_map(lambda x: whole(ctx, x), (score_bufs, mask_bufs))
+    score_bufs, mask_bufs = pytree.tree_map(lambda x: whole_local(ctx, x), (score_bufs, mask_bufs))
     score_mod = flex_blocks.shift_arg(score_mod, flex_blocks.SCORE_QUERY, flex_blocks.global_rows(pieces))
     results = node.target(
-        ql, whole(ctx, k), whole(ctx, v), score_mod, local_block, scale, options, tuple(score_bufs), tuple(mask_bufs)
+        ql,
+        whole_local(ctx, k),
+        whole_local(ctx, v),
+        score_mod,
+        local_block,
+        scale,
+        options,
+        tuple(score_bufs),
+        tuple(mask_bufs),
     )
     ctx.notes.append(f"{node.name} (FlexAttention): {CUT}")
     # out [B, H, S, D], the log-sum-exp and the row max [B, H, S]: all this rank's rows.
     return tuple(SPValue(t, target, g) for t, g in zip(results, node.meta["val"]))
 
 
-__all__ = ["CUT", "ring_flex_rule", "row_layout", "whole"]
+__all__ = ["CUT", "ring_flex_rule", "row_layout"]

@@ -28,10 +28,10 @@ from autosp.passes.core import leave_to_engine
 from autosp.sharding import collectives as C
 from autosp.sharding.context import SPContext, SPValue
 from autosp.sharding.placement import Replicate, SeqAxis, Shard
-from autosp.sharding.redistribute import to_shard
+from autosp.sharding.redistribute import to_shard, whole_local
 from autosp.sharding.rules.base import fallback
 from autosp_ring.attention import balance_chunk, from_bhsd, parse, seq_chunks, whole_mask
-from autosp_ring.flex import CUT, whole
+from autosp_ring.flex import CUT
 
 
 @dataclass(frozen=True)
@@ -152,7 +152,7 @@ def hybrid_flex_rule(ctx: SPContext, node: torch.fx.Node, site: AttentionSite, a
     length, heads, rings = site.seq_len, site.heads, ctx.world // g.degree
     i, rank_u = divmod(ctx.rank, g.degree)
     per = heads // g.degree
-    block = tuple(whole(ctx, x) for x in block)
+    block = tuple(whole_local(ctx, x) for x in block)
     local = None
     if isinstance(length, int) and not kwargs and site.kv_seq_len == length and block[0] == length:
         span = length // rings
@@ -174,7 +174,7 @@ def hybrid_flex_rule(ctx: SPContext, node: torch.fx.Node, site: AttentionSite, a
     kw, vw = (C.all_gather(x.contiguous(), 2, [span] * rings, g.ring, False) for x in (kh, vh))
     score_mod = flex_blocks.shift_arg(score_mod, flex_blocks.SCORE_HEAD, flex_blocks.offset(rank_u * per))
     score_mod = flex_blocks.shift_arg(score_mod, flex_blocks.SCORE_QUERY, flex_blocks.global_rows(pieces))
-    score_bufs, mask_bufs = pytree.tree_map(lambda x: whole(ctx, x), (score_bufs, mask_bufs))
+    score_bufs, mask_bufs = pytree.tree_map(lambda x: whole_local(ctx, x), (score_bufs, mask_bufs))
     ctx.notes.append(f"{node.name} (FlexAttention): H/{g.degree} heads per rank, {CUT}")
     results = node.target(qh, kw, vw, score_mod, local, scale, options, tuple(score_bufs), tuple(mask_bufs))
     # out [B, H/U, S/R, D] and the log-sum-exp [B, H/U, S/R] go back to all heads of this rank's chunk;

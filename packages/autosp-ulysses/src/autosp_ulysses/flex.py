@@ -22,14 +22,10 @@ from autosp.analysis.attention import AttentionSite
 from autosp.sharding import collectives as C
 from autosp.sharding.context import SPContext, SPValue
 from autosp.sharding.placement import HeadShard, SeqAxis, Shard
-from autosp.sharding.redistribute import to_replicate
+from autosp.sharding.redistribute import whole_local
 from autosp.sharding.rules.base import fallback
 from autosp_ulysses.attention import kv_heads as split_kv_heads
 from autosp_ulysses.attention import to_heads, to_heads_fused
-
-
-def _whole(ctx: SPContext, x: Any) -> Any:
-    return to_replicate(ctx, x).local if isinstance(x, SPValue) else x
 
 
 def flex_rule(ctx: SPContext, node: torch.fx.Node, site: AttentionSite, args: tuple, kwargs: dict) -> Any:
@@ -37,7 +33,7 @@ def flex_rule(ctx: SPContext, node: torch.fx.Node, site: AttentionSite, args: tu
     heads = site.heads
     per = heads // ctx.world
     lo, hi = ctx.rank * per, (ctx.rank + 1) * per
-    local_block = flex_blocks.heads_of(tuple(_whole(ctx, x) for x in block), heads, lo, hi)
+    local_block = flex_blocks.heads_of(tuple(whole_local(ctx, x) for x in block), heads, lo, hi)
     if local_block is None or kwargs:
         ctx.fallbacks.append(f"{node.name} (FlexAttention): its block mask does not split over heads; run whole")
         return fallback(ctx, node, args, kwargs)
@@ -46,7 +42,7 @@ def flex_rule(ctx: SPContext, node: torch.fx.Node, site: AttentionSite, args: tu
     fused = to_heads_fused(ctx, [q, k, v], hdim, sdim)
     ql, kl, vl = fused if fused is not None else (to_heads(ctx, x, hdim, sdim) for x in (q, k, v))
     # Captured buffers (document ids, biases) index global positions and heads: whole on every rank.
-    score_bufs, mask_bufs = pytree.tree_map(lambda x: _whole(ctx, x), (score_bufs, mask_bufs))
+    score_bufs, mask_bufs = pytree.tree_map(lambda x: whole_local(ctx, x), (score_bufs, mask_bufs))
     score_mod = flex_blocks.shift_arg(score_mod, flex_blocks.SCORE_HEAD, flex_blocks.offset(lo))
     out, lse, *rest = node.target(
         ql, kl, vl, score_mod, local_block, scale, options, tuple(score_bufs), tuple(mask_bufs)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from autosp.sharding import collectives as C
@@ -73,6 +75,11 @@ def to_replicate(ctx: SPContext, v: SPValue, why: str = "") -> SPValue:
     return SPValue(gather(ctx, v), Replicate(), v.gval)
 
 
+def whole_local(ctx: SPContext, x: Any) -> Any:
+    """``x`` whole on this rank as a plain tensor (gathered if distributed); a non-value as it is."""
+    return to_replicate(ctx, x).local if isinstance(x, SPValue) else x
+
+
 def to_shard(ctx: SPContext, v: SPValue, dim: int, target: Shard) -> torch.Tensor:
     """``v`` laid out like ``target`` along its own dimension ``dim``."""
     p = v.placement
@@ -82,4 +89,4 @@ def to_shard(ctx: SPContext, v: SPValue, dim: int, target: Shard) -> torch.Tenso
     return slice_to(ctx, full, dim, target.axis, target.ranges)
 
 
-__all__ = ["gather", "slice_to", "to_replicate", "to_shard"]
+__all__ = ["gather", "slice_to", "to_replicate", "to_shard", "whole_local"]
