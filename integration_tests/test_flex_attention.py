@@ -101,6 +101,16 @@ def test_mods_reading_captured_tensors():
 
 
 @pytest.mark.extended(covered_by="test_ring_cuts_flex_attention_to_query_rows")
+def test_ring_flex_attention_on_four_ranks_with_gradients():
+    _cut_to_rows(_check(4, "ring", [*CASES, ("window", 4)], lse=True))
+
+
+@pytest.mark.extended(covered_by="test_ulysses_rewrites_flex_attention")
+def test_ulysses_flex_attention_under_inductor():
+    _rewritten_by_ulysses(_check(2, "ulysses", CASES, backend="inductor"))
+
+
+@pytest.mark.extended(covered_by="test_ring_cuts_flex_attention_to_query_rows")
 def test_ring_flex_attention_under_inductor_reads_the_cut_block_lists():
     # Forward only (Inductor has no CPU Flex backward); its CPU kernel skips the blocks the lists leave out.
     _cut_to_rows(_check(4, "ring", [*CASES, ("window", 4)], backend="inductor"))
