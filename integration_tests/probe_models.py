@@ -1521,11 +1521,17 @@ BUILDERS.update(
 NAMES = list(BUILDERS)
 
 
+def _rotate_pairs(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x[..., ::2], x[..., 1::2]
+    return torch.stack((-x2, x1), dim=-1).flatten(-2)
+
+
 class FeatureReductions(LMBase):
     """Reductions along features, token by token: cosine attention (F.normalize of q and k, a vector
     norm over the head dim), a router's max and argmax over experts and a lookup of the chosen
     expert's vector (``experts[pick]``), a per-token log-sum-exp z-loss, a norm written with var/std
-    over the hidden dim, a running max over heads."""
+    over the hidden dim, a running max over heads; and Cohere's and GLM's rotary on interleaved pairs,
+    ``stack((-x2, x1), -1).flatten(-2)`` on q and k."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -1539,6 +1545,8 @@ class FeatureReductions(LMBase):
         B, S, _ = x.shape
         q, k, v = self.attn.heads(self.ln(x))
         q, k = F.normalize(q, dim=-1) * self.scale, F.normalize(k, dim=-1)
+        angle = torch.arange(S)[:, None] * 0.1 ** torch.arange(HD // 2).repeat_interleave(2)
+        q, k = (t * angle.cos() + _rotate_pairs(t) * angle.sin() for t in (q, k))
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.attn.out(a.transpose(1, 2).reshape(B, S, DIM))
         logits = self.router(x)

@@ -951,6 +951,24 @@ case(aten.cat.default, "batch", args(lambda g: [x3(g), x3(g)], 0), shard(1, "une
 case(aten.cat.default, "single", args(lambda g: [x3(g)], 1), shard(1, "zigzag"))
 case(aten.cat.default, "empty-1d-skipped", args(lambda g: [torch.empty(0, dtype=F64), x3(g)], 1), R, shard(1, "uneven"))
 case(aten.cat.default, "head-sharded", args(lambda g: [randn(g, B, 4, S), randn(g, B, 4, S)], 2), head_shard(1), R)
+# Interleaved rotary embeddings: stack((-x2, x1), -1) on sequence-sharded halves keeps the shard.
+for lay in ALL_LAYOUTS:
+    case(aten.stack.default, f"interleave-last-{lay}", args(lambda g: [x3(g), x3(g)], -1), shard(1, lay), shard(1, lay))
+case(aten.stack.default, "new-dim-0", args(lambda g: [x3(g), x3(g), x3(g)], 0), shard(1, "zigzag"), R, rs(1), expect=(Shard,))
+case(aten.stack.default, "new-dim-at-seq", args(lambda g: [x3(g), x3(g)], 1), shard(1, "uneven"), R, expect=(Shard,))
+case(aten.stack.default, "layouts-differ", args(lambda g: [x3(g), x3(g)], 2), shard(1, "even"), shard(1, "zigzag"))
+case(aten.stack.default, "shards-on-other-dims", args(lambda g: [sq(g), sq(g)], 2), shard(0, "even"), shard(1, "even"))
+case(
+    aten.stack.default,
+    "folded-[B*S,D]",
+    args(lambda g: [randn(g, B * S, D), randn(g, B * S, D)], -1),
+    shard(0, "zigzag", length=S),
+    R,
+    expect=(Shard,),
+)
+case(aten.stack.default, "replicated-seq", args(lambda g: [x3(g), x3(g)], 1), rs(1), R, expect=(Replicate,))
+case(aten.stack.default, "replicated", args(lambda g: [randn(g, B, D), randn(g, B, D)]), R, R)
+case(aten.stack.default, "partial", args(lambda g: [randn(g, B, D), randn(g, B, D)], -1), Partial(), R)
 case(aten.sym_size.int, "shard", args(x3, 1), shard(1, "zigzag"))
 case(aten.sym_size.int, "head-sharded", args(lambda g: randn(g, B, 4, S), 1), head_shard(1))
 case(aten.sym_size.int, "partial", args(lambda g: randn(g, B, D), 0), Partial())

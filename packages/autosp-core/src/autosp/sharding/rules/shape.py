@@ -266,6 +266,27 @@ def cat_rule(ctx, node, args, kwargs):
     return SPValue(torch.cat(parts, dim), Shard(target.axis, target.ranges), out_val)
 
 
+@rule(aten.stack.default)
+def stack_rule(ctx, node, args, kwargs):
+    """``stack`` of equal-shape values along a new dim: token-wise when none stacks along the sequence.
+
+    Interleaved rotary embeddings (GPT-J, CodeGen, Cohere, GLM) write ``stack((-x2, x1), -1)`` on
+    sequence-sharded q and k; every operand is laid out like the first sharded one, and the
+    sequence dim moves up by one when the new dim comes before it.
+    """
+    tensors = list(args[0])
+    out_val = node.meta["val"]
+    dim = normalize_dim(args[1] if len(args) > 1 else kwargs.get("dim", 0), out_val.dim())
+    lead = next((t for t in tensors if isinstance(t.placement, Shard)), None)
+    if lead is None:
+        axis = next((t.placement.axis for t in tensors if t.placement.axis is not None), None)
+        return replicated(ctx, node, args, kwargs, axis.at(axis.dim + (dim <= axis.dim)) if axis else None)
+    target = lead.placement
+    parts = [to_shard(ctx, t, target.axis.dim, target) for t in tensors]
+    out_dim = target.axis.dim + (dim <= target.axis.dim)
+    return SPValue(torch.stack(parts, dim), Shard(target.axis.at(out_dim), target.ranges), out_val)
+
+
 @rule(aten.gather.default)
 def gather_rule(ctx, node, args, kwargs):
     """``x.gather(d, index)`` along a dim other than the sequence: token-wise, so it stays sharded.
