@@ -580,6 +580,7 @@ def inputs(name: str, seq: int = 16, batch: int = 2) -> tuple[torch.Tensor, ...]
         "written-dropout",
         "landmarks",
         "wide-value-heads",
+        "token-wise-functions",
     ) or name.startswith(("hook-", "sdpa-3d", "act-clamp")):
         return (ids,)
     return ids, y
@@ -1163,6 +1164,72 @@ class CustomFunctions(LMBase):
             x = self.layer(x)
         pooled = _ScaleGrad.apply(x.mean(1))
         return self.lm_loss(x, ids) + F.cross_entropy(self.cls(pooled), y)
+
+
+class _BloomGelu(torch.autograd.Function):
+    """BLOOM's GeLU (``BloomGelu`` in training): the tanh approximation, its derivative written out."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * 0.5 * (1.0 + torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x)))
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        t = torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x))
+        return grad * (0.5 * x * ((1 - t * t) * (0.79788456 + 0.1070322243 * x * x)) + 0.5 * (1 + t))
+
+
+class _RoundStraightThrough(torch.autograd.Function):
+    """Quantisation-aware training's straight-through estimator: rounds forward, passes the gradient."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return (x * 8).round() / 8
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class _Gate(torch.autograd.Function):
+    """Two inputs of one shape, both saved, both given a gradient."""
+
+    @staticmethod
+    def forward(ctx, x, gate):
+        ctx.save_for_backward(x, gate)
+        return x * torch.sigmoid(gate)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, gate = ctx.saved_tensors
+        s = torch.sigmoid(gate)
+        return grad * s, grad * x * s * (1 - s)
+
+
+class TokenWiseFunctions(LMBase):
+    """Custom Functions and a hook that are elementwise forward and backward: each rank runs them on
+    its own positions (autosp.token_wise_body), nothing gathered. BLOOM's GeLU in the MLP, a
+    straight-through round, a gate over two inputs, a clamped gradient (``_ClipGrad``: not linear in
+    the gradient, so it must see the true one) before attention, and a clamping gradient hook."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(DIM, 2 * DIM)
+        self.gate = nn.Linear(DIM, 2 * DIM)
+        self.down = nn.Linear(2 * DIM, DIM)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        x = x + self.attn(self.ln(_ClipGrad.apply(x, 2e-3)))
+        h = _Gate.apply(_BloomGelu.apply(self.up(x)), self.gate(x))
+        h.register_hook(lambda g: (g * 2).clamp(-1e-3, 1e-3))
+        x = x + self.down(_RoundStraightThrough.apply(h))
+        return self.lm_loss(x + self.attn(self.ln(x)), ids)
+
+
+BUILDERS["token-wise-functions"] = lambda s: TokenWiseFunctions()
 
 
 BUILDERS.update(

@@ -238,7 +238,6 @@ def test_routed_sequences(variant: str, world: int, seq: int, names: list[str], 
 # non-differentiable result; the same layer under torch.utils.checkpoint; dropout drawn inside a Function;
 # and one behind a graph break.
 FUNCTIONS = [
-    ("custom-function", 16, 2),
     ("custom-functions", 16, 2),
     ("custom-functions-checkpointed", 16, 2),
     ("custom-functions-dropout", 16, 2),
@@ -256,8 +255,8 @@ def _functions_exact(per_rank: list, probes: list, what: str) -> None:
 def test_custom_autograd_functions_run_whole_with_the_users_backward(pool: SPMDPool) -> None:
     # Once a crash (functionalization's "NYI"), then refused: each Function now runs whole on every rank
     # with the user's backward, handed the true gradient of its results (autosp.user_function). The
-    # plain reversal (also inside "custom-functions") runs in test-all; the dropout one under ring below.
-    probes = [*FUNCTIONS[1:3], FUNCTION_DISABLED]
+    # dropout one runs under ring below.
+    probes = [*FUNCTIONS[:2], FUNCTION_DISABLED]
     per_rank = pool.run(run_probes, probes, "ulysses", "aot_eager", {"fullgraph": False}, timeout_s=600)
     _functions_exact(per_rank, probes, "ulysses")
     for results in per_rank:
@@ -266,6 +265,31 @@ def test_custom_autograd_functions_run_whole_with_the_users_backward(pool: SPMDP
     probes = [("custom-functions-dropout", 16, 2)]
     per_rank = pool.run(run_probes, probes, "ring", "aot_eager", {"sac": True}, timeout_s=600)
     _functions_exact(per_rank, probes, "ring sac")
+
+
+# Elementwise forward and backward (autosp.token_wise_body): BLOOM's GeLU, a straight-through round, a
+# gate over two inputs, a clamped gradient, a clamping hook, a gradient reversal. Each once ran whole on
+# every rank, its inputs gathered; now each rank runs it on its positions, and nothing is gathered.
+TOKEN_WISE = [("token-wise-functions", 16, 2), ("custom-function", 16, 2)]
+
+
+def _token_wise_exact(per_rank: list, what: str) -> None:
+    for where, r in _exact(per_rank, TOKEN_WISE, what):
+        assert r["sharded"] and all(r["sharded"]) and not r["fallbacks"], f"{where}: {r['sharded']} {r['fallbacks']}"
+
+
+@pytest.mark.parametrize("variant", ["ulysses", "ring"])
+def test_token_wise_functions_and_hooks_run_on_each_ranks_positions(pool: SPMDPool, variant: str) -> None:
+    _token_wise_exact(pool.run(run_probes, TOKEN_WISE, variant, timeout_s=600), variant)
+
+
+@pytest.mark.parametrize(("variant", "world"), [("hybrid", 4), ("ring", 3)])
+@pytest.mark.extended(covered_by="test_token_wise_functions_and_hooks_run_on_each_ranks_positions")
+def test_token_wise_functions_under_inductor(variant: str, world: int) -> None:
+    probes = [(name, 8 * world, batch) for name, _, batch in TOKEN_WISE]
+    per_rank = run_spmd(run_probes, world, probes, variant, "inductor")
+    for where, r in _exact(per_rank, probes, f"{variant} inductor P={world}"):
+        assert not r["fallbacks"], f"{where}: {r['fallbacks']}"
 
 
 @pytest.mark.extended(covered_by="test_custom_autograd_functions_run_whole_with_the_users_backward")

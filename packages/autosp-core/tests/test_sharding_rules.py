@@ -786,6 +786,50 @@ for lay in ALL_LAYOUTS:
         shard(1, lay),
         R,
     )
+
+
+def _token_wise_body() -> str:
+    """A gate over two inputs of one shape, elementwise both ways, its backward clamped (not linear in
+    the gradient): run on each rank's positions, it must be handed the true gradient of them."""
+
+    def fwd(x, gate):
+        return x * torch.sigmoid(gate), (x, gate)
+
+    def bwd(g, x, gate):
+        s = torch.sigmoid(gate)
+        return (g * s).clamp(-0.3, 0.3), g * x * s * (1 - s)
+
+    BODIES["test-token-wise"] = Body(
+        fwd=torch.fx.symbolic_trace(fwd),
+        bwd=torch.fx.symbolic_trace(bwd),
+        n_out=1,
+        tuple_out=False,
+        saved_from=(("arg", 0), ("arg", 1)),
+        non_differentiable=frozenset(),
+        token_wise=True,
+    )
+    return "test-token-wise"
+
+
+_TOKEN_WISE = _token_wise_body()
+for lay in ALL_LAYOUTS:
+    case(
+        torch.ops.autosp.user_function.default,
+        f"token-wise-{lay}",
+        args([x3, x3], _TOKEN_WISE),
+        shard(1, lay),
+        rs(1),
+        expect=(Shard,),
+    )
+case(
+    torch.ops.autosp.user_function.default,
+    "token-wise-layouts-differ",
+    args([x3, x3], _TOKEN_WISE),
+    shard(1, "zigzag"),
+    shard(1, "even"),
+    expect=(Shard,),
+)
+case(torch.ops.autosp.user_function.default, "token-wise-replicated", args([x3, x3], _TOKEN_WISE), R, R)
 case(
     torch.ops.autosp.user_function.default,
     "clamped-backward-partial",
@@ -954,7 +998,15 @@ case(aten.cat.default, "head-sharded", args(lambda g: [randn(g, B, 4, S), randn(
 # Interleaved rotary embeddings: stack((-x2, x1), -1) on sequence-sharded halves keeps the shard.
 for lay in ALL_LAYOUTS:
     case(aten.stack.default, f"interleave-last-{lay}", args(lambda g: [x3(g), x3(g)], -1), shard(1, lay), shard(1, lay))
-case(aten.stack.default, "new-dim-0", args(lambda g: [x3(g), x3(g), x3(g)], 0), shard(1, "zigzag"), R, rs(1), expect=(Shard,))
+case(
+    aten.stack.default,
+    "new-dim-0",
+    args(lambda g: [x3(g), x3(g), x3(g)], 0),
+    shard(1, "zigzag"),
+    R,
+    rs(1),
+    expect=(Shard,),
+)
 case(aten.stack.default, "new-dim-at-seq", args(lambda g: [x3(g), x3(g)], 1), shard(1, "uneven"), R, expect=(Shard,))
 case(aten.stack.default, "layouts-differ", args(lambda g: [x3(g), x3(g)], 2), shard(1, "even"), shard(1, "zigzag"))
 case(aten.stack.default, "shards-on-other-dims", args(lambda g: [sq(g), sq(g)], 2), shard(0, "even"), shard(1, "even"))

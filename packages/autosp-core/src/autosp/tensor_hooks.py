@@ -8,18 +8,21 @@ shard a hook that is not token-wise (``g / g.norm()``) would compute something e
 
 So each hooked value becomes a chain of ``autosp::user_function`` identities, one per hook, whose
 backward is the hook's body: the custom-Function rule runs them whole on every rank and hands each
-the true gradient, so any hook keeps its meaning. Every use of the value reads the chain's end, the
-last-registered hook nearest the value, so the backward applies them in registration order.
+the true gradient, so any hook keeps its meaning; a hook found elementwise (``g * 2``,
+``g.clamp``; see ``autosp.token_wise_body``) runs on each rank's positions instead. Every use of
+the value reads the chain's end, the last-registered hook nearest the value, so the backward
+applies them in registration order.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
 from autosp.errors import AutoSPError
-from autosp.user_function import USER_FUNCTION, Body, pick_result, register_body
+from autosp.user_function import USER_FUNCTION, Body, pick_result, register_body, token_wise
 
 
 def is_hook(node: torch.fx.Node) -> bool:
@@ -107,6 +110,8 @@ def _chain(
             non_differentiable=frozenset(),
             what="a gradient hook (Tensor.register_hook)",
         )
+        examples = [n.meta.get("example_value") if isinstance(n, torch.fx.Node) else n for n in (value, *h.args[2:])]
+        body = replace(body, token_wise=token_wise(body, examples))
         key = register_body(body, {"register_hook": True})
         with graph.inserting_after(at if end is value else end):
             call = graph.call_function(USER_FUNCTION, ([end, *h.args[2:]], key))

@@ -18,13 +18,14 @@ import hashlib
 import itertools
 import operator
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, cast
 
 import torch
 from torch import Tensor
 
 from autosp.errors import AutoSPError
+from autosp.token_wise_body import is_token_wise
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,7 @@ class Body:
     saved_from: tuple[tuple[str, int] | None, ...]
     non_differentiable: frozenset[int]
     draws: tuple[str, ...] = ()  # the random ops its forward runs (aten names)
+    token_wise: bool = False  # elementwise forward and backward over inputs of one shape (autosp.token_wise_body)
     what: str = "a custom torch.autograd.Function"  # for the report (autosp.tensor_hooks keeps hooks as bodies)
 
 
@@ -126,10 +128,24 @@ def _key(fwd: torch.fx.GraphModule, bwd: torch.fx.GraphModule, flags: dict[str, 
 
 
 def register_body(body: Body, flags: dict[str, Any]) -> str:
-    """Keep ``body`` in BODIES under its name (see ``_key``); return the name the op is called with."""
-    key = _key(body.fwd, body.bwd, flags)
+    """Keep ``body`` in BODIES under its name (see ``_key``); return the name the op is called with.
+
+    Whether it is token-wise depends on the call's shapes too (one code may be called on a weight of
+    another shape elsewhere), so it is part of the name.
+    """
+    key = _key(body.fwd, body.bwd, {**flags, "token_wise": body.token_wise})
     BODIES[key] = body
     return key
+
+
+def fake_mode_of(args: list[Any]) -> Any:
+    """The call's fake values' own mode: the tracing context may hold another (detect_fake_mode would pick that one)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    modes = {id(a.fake_mode): a.fake_mode for a in args if isinstance(a, FakeTensor)}
+    if len(modes) != 1:
+        raise AutoSPError("internal: a custom Function's arguments carry no single fake mode; please report this")
+    return next(iter(modes.values()))
 
 
 def _random_ops(fwd: torch.fx.GraphModule, args: list[Any]) -> tuple[str, ...]:
@@ -138,14 +154,9 @@ def _random_ops(fwd: torch.fx.GraphModule, args: list[Any]) -> tuple[str, ...]:
     The op is opaque to the SP program, so ``autosp.rng_check`` would not see them otherwise; every
     rank runs it whole, which matches one device only while the ranks' generators agree.
     """
-    from torch._subclasses.fake_tensor import FakeTensor
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    # The values' own mode: the tracing context may hold another (detect_fake_mode would pick that one).
-    modes = {id(a.fake_mode): a.fake_mode for a in args if isinstance(a, FakeTensor)}
-    if len(modes) != 1:
-        raise AutoSPError("internal: a custom Function's arguments carry no single fake mode; please report this")
-    with next(iter(modes.values())):
+    with fake_mode_of(args):
         traced = make_fx(lambda *a: _run(fwd, *a))(*args)
     return tuple(
         n.target.name()
@@ -162,15 +173,30 @@ def _body(owner: torch.fx.GraphModule, node: torch.fx.Node) -> Body:
     results = list(out) if tuple_out else [out]
     # Saved as they are, arguments and results are not returned twice (an output's copy costs memory).
     index = {r: ("out", i) for i, r in enumerate(results)} | {p: ("arg", i) for i, p in enumerate(placeholders)}
-    return Body(
+    examples = [a.meta.get("example_value") for a in node.args[2:] if isinstance(a, torch.fx.Node)]
+    body = Body(
         fwd=fwd,
         bwd=bwd,
         n_out=len(out) if tuple_out else 1,
         tuple_out=tuple_out,
         saved_from=tuple(index.get(s) for s in saved),
         non_differentiable=frozenset(cast(Sequence[int], node.kwargs.get("non_differentiable_idx") or ())),
-        draws=_random_ops(fwd, [a.meta.get("example_value") for a in node.args[2:] if isinstance(a, torch.fx.Node)]),
+        draws=_random_ops(fwd, examples),
     )
+    return replace(body, token_wise=not body.draws and token_wise(body, examples))
+
+
+def token_wise(body: Body, examples: list[Any]) -> bool:
+    """Whether ``body`` run on each rank's positions computes its part of the whole (autosp.token_wise_body)."""
+
+    if not examples or not all(isinstance(e, Tensor) for e in examples):
+        return False
+
+    def run_fwd(*args: Tensor) -> tuple[list[Tensor], list[Tensor]]:
+        out, saved = _run(body.fwd, *args)
+        return (list(out) if body.tuple_out else [out]), list(saved)
+
+    return is_token_wise(run_fwd, lambda *a: _run(body.bwd, *a), examples, fake_mode_of(examples))
 
 
 def _why_not(node: torch.fx.Node) -> str | None:
@@ -259,5 +285,6 @@ __all__ = [
     "keep_user_functions",
     "pick_result",
     "register_body",
+    "token_wise",
     "user_function",
 ]
