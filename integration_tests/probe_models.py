@@ -867,6 +867,12 @@ class LossVariants(LMBase):
         if self.kind == "soft":
             soft = F.one_hot(target.clamp(min=0), VOCAB).float() * 0.8 + 0.2 / VOCAB
             return F.cross_entropy(logits, soft)
+        if self.kind == "soft-classes-first":
+            # Classes on dim 1 ([B, V, S]): its backward once failed under aot_eager ("view size is
+            # not compatible"), the log-softmax backward's meta layout not being the kernel's.
+            per_token = self.head(x).transpose(1, 2)
+            soft = F.one_hot(labels.clamp(min=0), VOCAB).float().transpose(1, 2) * 0.8 + 0.2 / VOCAB
+            return F.cross_entropy(per_token, soft)
         if self.kind == "z-loss":
             lse = torch.logsumexp(logits, -1)
             return F.cross_entropy(logits, target) + 1e-2 * (lse**2).mean()
@@ -874,7 +880,7 @@ class LossVariants(LMBase):
         return F.kl_div(logits.log_softmax(-1), teacher.log_softmax(-1), log_target=True, reduction="batchmean")
 
 
-for _kind in ("smoothing", "class-weight", "soft", "z-loss", "kl"):
+for _kind in ("smoothing", "class-weight", "soft", "soft-classes-first", "z-loss", "kl"):
     BUILDERS[f"loss-{_kind}"] = lambda s, k=_kind: LossVariants(k)
 NAMES = list(BUILDERS)
 

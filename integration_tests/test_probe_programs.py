@@ -72,6 +72,7 @@ PROBES = {
         ("eos-pool", 16, 2),
         # nn.MultiheadAttention returning its weights: bmm over [B*H, S, d] views (once run whole).
         ("torch-mha-weights", 16, 2),
+        ("loss-soft-classes-first", 16, 2),
     ],
     "ring": [
         *COMMON,

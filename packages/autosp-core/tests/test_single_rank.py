@@ -167,3 +167,33 @@ def test_first_call_under_saved_tensor_hooks_equals_eager(around):
 def _under(context, f, *args):
     with context:
         return f(*args)
+
+
+class _SoftLabels(torch.nn.Module):
+    """A cross entropy against soft labels over ``logits.transpose(1, 2)`` (classes on dim 1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+        self.head = torch.nn.Linear(16, 11)
+
+    def forward(self, x, labels):
+        logits = self.head(torch.tanh(self.proj(x)))
+        soft = F.one_hot(labels, 11).float() * 0.9 + 0.1 / 11
+        return F.cross_entropy(logits.transpose(1, 2), soft.transpose(1, 2))
+
+
+def test_a_view_whose_fake_layout_differs_from_the_kernels_runs_under_aot_eager():
+    # The log-softmax backward's meta function keeps a transposed gradient's layout and the CPU kernel
+    # returns a contiguous one, so the backward's view of it failed ("view size is not compatible").
+    torch.manual_seed(0)
+    eager = _SoftLabels()
+    model = copy.deepcopy(eager)
+    x, labels = torch.randn(2, 8, 16), torch.randint(0, 11, (2, 8))
+    loss = autosp.compile(model, sp_size=1, backend="aot_eager")(x, labels)
+    loss.backward()
+    ref = eager(x, labels)
+    ref.backward()
+    assert_close(loss, ref)
+    for name, p in eager.named_parameters():
+        assert_close(dict(model.named_parameters())[name].grad, p.grad, msg=name)

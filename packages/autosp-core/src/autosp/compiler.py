@@ -243,6 +243,7 @@ def compile_graph(
                 _donate_nothing()
             g = manager.run(stage, g, ctx)
             _record_group_ops(ctx, g)
+            _views_as_reshapes(g)
             return make_boxed_func(g.forward)
 
         return compile_stage
@@ -260,6 +261,28 @@ def compile_graph(
 def _record_group_ops(ctx: CompileContext, g: torch.fx.GraphModule) -> None:
     """The stage's group ops, for the compile agreement to compare between the SP ranks."""
     ctx.report.group_ops = [*(ctx.report.group_ops or []), *group_op_sequence(g.graph, group_size_label)]
+
+
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+
+
+def _views_as_reshapes(g: torch.fx.GraphModule) -> None:
+    """Run the graph's ``view``s as ``reshape``s: a view where the real tensor allows one, a copy where not.
+
+    AOT autograd chose each ``view`` for a layout its fake tensors predicted, and some meta functions
+    predict another layout than the kernel makes (on CPU, ``_log_softmax_backward_data`` given a
+    transposed gradient: fake keeps the transpose, the kernel returns a contiguous result), so the
+    eager-run graph failed with "view size is not compatible" (a soft-label cross entropy over
+    ``logits.transpose(1, 2)``, even at ``sp_size=1``). Where the view works, ``reshape`` is that view;
+    Inductor plans its own layouts, so only the graphs run as they are get this.
+    """
+    changed = False
+    for node in g.graph.nodes:
+        if node.op == "call_function" and node.target in _VIEWS:
+            node.target = torch.ops.aten.reshape.default
+            changed = True
+    if changed:
+        g.recompile()
 
 
 def _donate_nothing() -> None:
