@@ -1604,7 +1604,8 @@ class FeatureReductions(LMBase):
     norm over the head dim), a router's max and argmax over experts and a lookup of the chosen
     expert's vector (``experts[pick]``), a per-token log-sum-exp z-loss, a norm written with var/std
     over the hidden dim, a running max over heads; and Cohere's and GLM's rotary on interleaved pairs,
-    ``stack((-x2, x1), -1).flatten(-2)`` on q and k."""
+    ``stack((-x2, x1), -1).flatten(-2)`` on q and k; the token loss over ``logits.permute(0, 2, 1)``
+    (classes on dim 1, as sequence-tagging code writes it; once gathered the logits whole)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -1629,7 +1630,8 @@ class FeatureReductions(LMBase):
         h = h * x.std(-1, keepdim=True).detach()
         h = h + torch.cummax(h.view(B, S, HEADS, HD), dim=2).values.reshape(B, S, DIM)
         z = torch.logsumexp(self.head(h), dim=-1).pow(2).mean()
-        return self.lm_loss(h, ids) + 1e-3 * z + F.cross_entropy(self.cls((h.amax(-1, keepdim=True) * h).mean(1)), y)
+        tagged = F.cross_entropy(self.head(h).permute(0, 2, 1)[..., :-1], ids[:, 1:], reduction="sum") / (B * S)
+        return tagged + 1e-3 * z + F.cross_entropy(self.cls((h.amax(-1, keepdim=True) * h).mean(1)), y)
 
 
 BUILDERS["feature-reductions"] = lambda s: FeatureReductions()

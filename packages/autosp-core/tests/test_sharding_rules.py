@@ -634,6 +634,44 @@ case(
     shard(0, "zigzag"),
     shard(0, "even"),
 )
+# Classes on dim 1: cross_entropy(logits.transpose(1, 2), labels) lowers to nll_loss2d on [B, C, S, 1].
+for lay in ALL_LAYOUTS:
+    for reduction in (0, 1, 2):
+        case(
+            aten.nll_loss2d_forward.default,
+            f"classes-first-reduction{reduction}-{lay}",
+            args(
+                lambda g: randn(g, B, C, S, 1).log_softmax(1),
+                lambda g: torch.where(mask(g, B, S, 1), -100, ints(g, C, B, S, 1)),
+                None,
+                reduction,
+                -100,
+            ),
+            shard(2, lay),
+            rs(1),
+        )
+case(
+    aten.nll_loss2d_forward.default,
+    "classes-first-on-W-class-weight",
+    args(
+        lambda g: randn(g, B, C, 1, S).log_softmax(1),
+        lambda g: ints(g, C, B, 1, S),
+        lambda g: randn(g, C).abs(),
+        1,
+        -100,
+    ),
+    shard(3, "zigzag"),
+    shard(2, "even"),
+    R,
+    requires_grad=(True, False, False),
+)
+case(
+    aten.nll_loss2d_forward.default,
+    "sharded-on-classes",
+    args(lambda g: randn(g, B, S, 3, 1).log_softmax(1), lambda g: ints(g, S, B, 3, 1), None, 1, -100),
+    shard(1, "even"),
+    R,
+)
 # The tiled LM head + loss (autosp.tile_loss): hidden rows [B*S, D] sharded, chunks of 5 rows, ignored tokens.
 for lay in ALL_LAYOUTS:
     case(

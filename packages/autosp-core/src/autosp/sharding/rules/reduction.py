@@ -199,21 +199,38 @@ for _op in _ALONG:
 
 @rule(aten.nll_loss_forward.default)
 def nll_loss_rule(ctx, node, args, kwargs):
-    inp, target, weight, reduction, ignore_index = args
+    inp, target = args[:2]
     p = inp.placement
-    if not isinstance(p, Shard) or p.axis.dim != 0 or inp.ndim != 2:
+    if not isinstance(p, Shard) or p.axis.dim != 0 or inp.ndim != 2 or target.gval.shape[0] != inp.gval.shape[0]:
         return fallback(ctx, node, args, kwargs)
+    return _token_loss(ctx, node, args, p, 0)
+
+
+@rule(aten.nll_loss2d_forward.default)
+def nll_loss2d_rule(ctx, node, args, kwargs):
+    """Classes on dim 1 of ``[N, C, H, W]`` (``cross_entropy(logits.transpose(1, 2), labels)`` lowers
+    to it on ``[B, V, S, 1]``): input position ``(n, h, w)`` is target position ``(n, h, w)``, so
+    logits sharded on H or W pair with the target sharded on the dim before."""
+    inp, target = args[:2]
+    p = inp.placement
+    if not isinstance(p, Shard) or p.axis.dim < 2 or target.gval.shape[p.axis.dim - 1] != inp.gval.shape[p.axis.dim]:
+        return fallback(ctx, node, args, kwargs)
+    return _token_loss(ctx, node, args, p, p.axis.dim - 1)
+
+
+def _token_loss(ctx: SPContext, node: torch.fx.Node, args: tuple, p: Shard, target_dim: int) -> tuple[SPValue, SPValue]:
+    """``node``'s loss on this rank's positions, the target laid out like the input on ``target_dim``."""
+    inp, target, weight, reduction, ignore_index = args
     if weight is not None and not isinstance(weight.placement, Replicate):
         weight = to_replicate(ctx, weight)
-    if target.gval.shape[0] != inp.gval.shape[0]:
-        return fallback(ctx, node, args, kwargs)
-    target_local = to_shard(ctx, target, 0, p)
+    target_local = to_shard(ctx, target, target_dim, p)
     w = weight.local if weight is not None else None
     if reduction == 0:
-        out, tw = aten.nll_loss_forward(inp.local, target_local, w, 0, ignore_index)
-        return (SPValue(out, p, node.meta["val"][0]), SPValue(tw, Partial(), node.meta["val"][1]))
+        out, tw = node.target(inp.local, target_local, w, 0, ignore_index)
+        per_position = Shard(p.axis.at(target_dim), p.ranges)
+        return (SPValue(out, per_position, node.meta["val"][0]), SPValue(tw, Partial(), node.meta["val"][1]))
     # Sum and count of non-ignored tokens are both partial: the mean is their exact global ratio.
-    total, count = aten.nll_loss_forward(inp.local, target_local, w, 2, ignore_index)
+    total, count = node.target(inp.local, target_local, w, 2, ignore_index)
     if reduction == 2:
         return (SPValue(total, Partial(), node.meta["val"][0]), SPValue(count, Partial(), node.meta["val"][1]))
     total, count = reduce_together(ctx, total, count)
