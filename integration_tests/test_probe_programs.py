@@ -364,8 +364,9 @@ def test_gradient_hooks_under_other_variants(variant: str, world: int, seq: int,
 def test_reductions_along_features_and_lookups_stay_sharded(pool: SPMDPool) -> None:
     # Max, argmax, vector norm, var/std, cummax and logsumexp over features, and table[idx] lookups,
     # are token-wise: exact, and nothing gathered (F.normalize's vector norm once gathered q and k
-    # whole, and experts[choice] its index).
-    probes = [("feature-reductions", 16, 2)]
+    # whole, and experts[choice] its index); so are rotary embeddings through complex numbers
+    # (view_as_complex once gathered q and k in every layer).
+    probes = [("feature-reductions", 16, 2), ("complex-rope", 16, 2)]
     for where, r in _exact(pool.run(run_probes, probes, "ulysses"), probes, "ulysses"):
         assert not r["fallbacks"], f"{where}: {r['fallbacks']}"
 

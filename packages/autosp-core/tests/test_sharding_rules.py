@@ -634,6 +634,25 @@ case(
     shard(0, "zigzag"),
     shard(0, "even"),
 )
+# Rotary embeddings through complex numbers (Meta's Llama, torchtitan): [B, S, H, d/2, 2] <-> [B, S, H, d/2].
+for lay in ALL_LAYOUTS:
+    case(
+        aten.view_as_complex.default,
+        f"pairs-{lay}",
+        args(lambda g: randn(g, B, S, 2, 3, 2, dtype=torch.float32)),
+        shard(1, lay),
+        expect=(Shard,),
+    )
+    case(
+        aten.view_as_real.default,
+        f"pairs-{lay}",
+        args(lambda g: randn(g, B, S, 3, dtype=torch.complex64)),
+        shard(1, lay),
+        expect=(Shard,),
+    )
+case(aten.view_as_complex.default, "replicated-seq", args(lambda g: randn(g, S, 3, 2, dtype=torch.float32)), rs(0))
+case(aten.view_as_real.default, "seq-last", args(lambda g: randn(g, B, S, dtype=torch.complex64)), shard(1, "zigzag"))
+case(aten.view_as_complex.default, "replicated", args(lambda g: randn(g, B, 2, dtype=torch.float32)), R)
 # Classes on dim 1: cross_entropy(logits.transpose(1, 2), labels) lowers to nll_loss2d on [B, C, S, 1].
 for lay in ALL_LAYOUTS:
     for reduction in (0, 1, 2):

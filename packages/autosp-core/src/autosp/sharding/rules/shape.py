@@ -287,6 +287,23 @@ def stack_rule(ctx, node, args, kwargs):
     return SPValue(torch.stack(parts, dim), Shard(target.axis.at(out_dim), target.ranges), out_val)
 
 
+@rule(aten.view_as_complex.default, aten.view_as_real.default)
+def complex_view_rule(ctx, node, args, kwargs):
+    """Pairs of the last dim as complex numbers and back (Meta's Llama and torchtitan's rotary
+    embedding): only the last dim changes, so a sequence on any other dim stays where it is.
+
+    A piece cut along another dim keeps the last dim's unit stride and even strides elsewhere, so
+    the local ``view_as_complex`` is as valid as the whole one.
+    """
+    v = args[0]
+    p = v.placement
+    seq = seq_dim(p)
+    last = v.ndim - 1
+    if seq is None or (node.target is aten.view_as_complex.default and seq == last):
+        return replicated(ctx, node, args, kwargs) if isinstance(p, Replicate) else fallback(ctx, node, args, kwargs)
+    return wrap(call(node, args, kwargs), node.meta["val"], lambda _i, _g: p)
+
+
 @rule(aten.gather.default)
 def gather_rule(ctx, node, args, kwargs):
     """``x.gather(d, index)`` along a dim other than the sequence: token-wise, so it stays sharded.
