@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypedDict, cast
 
@@ -16,6 +17,7 @@ from autosp.errors import ConfigError
 from autosp.guards import CALL_INPUTS, GraphRuns, GuardedCall, guard_compiled, guard_graph, naming_comm_failures
 from autosp.hardware import load_profile
 from autosp.hardware_select import HardwareOption
+from autosp.inductor_options import inductor_config
 from autosp.input_check import CheckMode, InputCheck
 from autosp.options import Backend, SPOptions, compile_sync_group, resolve_group
 from autosp.param_check import ParameterCheck, StateDigest, check_state_on_first_run, state_name
@@ -112,6 +114,14 @@ class AutoSPBackend:
             ParameterCheck(self.group) if self.world > 1 and options.check_inputs in ("tokens", "hash") else None
         )
 
+    def _apply_torch_options(self, mode: str | None = None, options: dict[str, Any] | None = None) -> None:
+        if self._torch_options != (mode, options):
+            config = inductor_config(self.options.backend, mode, options, None)
+            self.options = replace(self.options, inductor_config=config)
+            self._torch_options = (mode, options)
+
+    _torch_options: tuple[str | None, dict[str, Any] | None] = (None, None)
+
     def __deepcopy__(self, memo: dict[int, Any]) -> AutoSPBackend:
         # copy.deepcopy of a compiled module rebuilds it from its model and Dynamo's context, this
         # backend in it: the copy would run without the call's checks, sharing nothing that makes
@@ -130,8 +140,12 @@ class AutoSPBackend:
             "(compiled._orig_mod) or its state_dict, and call autosp.compile again after loading it."
         )
 
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any], **torch_options: Any) -> Callable[..., Any]:
         from autosp.compiler import _is_param, compile_graph
+
+        if torch_options:
+            # torch.compile(model, backend=autosp.backend(...), mode=..., options=...) hands both here.
+            self._apply_torch_options(**torch_options)
 
         if self.world == 1:
             _refuse_late_process_group(self.options)
@@ -327,6 +341,9 @@ def compile(  # noqa: A001 - mirrors torch.compile
         outputs=outputs,
         **(variant_options or {}),
     )
+    # Inductor's config, applied by AutoSP (torch.compile would hand these to the backend as keywords);
+    # refused here, before any collective, where AutoSP cannot keep them.
+    be._apply_torch_options(torch_compile_kwargs.pop("mode", None), torch_compile_kwargs.pop("options", None))
     if be.world > 1:
         # Static by default: each new length compiles once. The symbolic path refuses some models
         # (learned position tables) and its Inductor steps measured 1.9x slower; past Dynamo's

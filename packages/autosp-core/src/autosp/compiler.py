@@ -231,7 +231,12 @@ def compile_graph(
             gm,
             list(example_inputs),
             inner_compile=inner,
-            config_patches={"custom_partitioner_fn": InductorPartitioner(partition), **inductor_patches()},
+            # The user's config (mode=, options=) first: AutoSP's own patches keep its collectives' order.
+            config_patches={
+                **options.inductor_config,
+                "custom_partitioner_fn": InductorPartitioner(partition),
+                **inductor_patches(),
+            },
         )
         return wrap_outputs(compiled, ctx.output_shards, group)
 

@@ -80,6 +80,7 @@ class SPOptions:
     memory_budget: int | float | None = None
     hardware: HardwareOption = None
     outputs: Literal["whole", "sharded"] = "whole"
+    inductor_config: dict[str, Any] = field(default_factory=dict)  # from mode= / options= (autosp.inductor_options)
 
     __repr__ = weak_repr
 
