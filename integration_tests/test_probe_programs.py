@@ -171,6 +171,29 @@ def test_token_mixers_under_sac(pool: SPMDPool) -> None:
     _exact(pool.run(run_probes, MIXERS, "ulysses", "aot_eager", options, timeout_s=600), MIXERS, "sac")
 
 
+# Ops reading nearby positions (sharding.rules.halo): RWKV's token shift (a negative pad) and a causal
+# depthwise convolution (left pad, conv1d, crop) once gathered their input whole; now each rank
+# computes its own positions, a few neighbouring ones crossing in one small all-gather.
+HALO = [("rwkv-shift", 16, 2), ("mix-causal-conv", 16, 2)]
+
+
+def _halo_exact(per_rank: list, probes: list, what: str) -> None:
+    for where, r in _exact(per_rank, probes, what):
+        assert r["sharded"] and not r["fallbacks"], f"{where}: {r['sharded']} {r['fallbacks']}"
+
+
+@pytest.mark.parametrize("variant", ["ulysses", "ring"])
+def test_token_shift_and_causal_convolution_gather_nothing(pool: SPMDPool, variant: str) -> None:
+    _halo_exact(pool.run(run_probes, HALO, variant, timeout_s=600), HALO, variant)
+
+
+@pytest.mark.parametrize(("variant", "world"), [("ring", 3), ("hybrid", 4)])
+@pytest.mark.extended(covered_by="test_token_shift_and_causal_convolution_gather_nothing")
+def test_token_shift_and_causal_convolution_under_inductor(variant: str, world: int) -> None:
+    probes = [(name, 8 * world, batch) for name, _, batch in HALO]
+    _halo_exact(run_spmd(run_probes, world, probes, variant, "inductor"), probes, f"{variant} inductor P={world}")
+
+
 # Code Dynamo runs in eager, outside every graph: nn.TransformerEncoder's causal-mask check (an
 # .item() inside torch's own module) once sent its whole layer stack there, silently whole on every
 # rank; a layer the user disabled still runs there, and the user is told.

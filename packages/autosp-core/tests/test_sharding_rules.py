@@ -634,6 +634,54 @@ case(
     shard(0, "zigzag"),
     shard(0, "even"),
 )
+# Ops that read nearby positions (rules.halo): each rank's output from its piece and a halo from its neighbours.
+CONV_X = lambda g: randn(g, B, 3, S)  # noqa: E731 - [B, channels, S], the sequence last
+for lay in ALL_LAYOUTS:
+    case(aten.constant_pad_nd.default, f"token-shift-{lay}", args(x3, [0, 0, 1, -1]), shard(1, lay))
+    case(aten.constant_pad_nd.default, f"causal-left-pad-{lay}", args(CONV_X, [2, 0]), shard(2, lay), expect=(Shard,))
+    case(aten.constant_pad_nd.default, f"crop-left-pad-right-{lay}", args(x3, [0, 0, -2, 3], 1.5), shard(1, lay))
+    case(
+        aten.convolution.default,
+        f"same-{lay}",
+        args(CONV_X, lambda g: randn(g, 4, 3, 3), lambda g: randn(g, 4), [1], [1], [1], False, [0], 1),
+        shard(2, lay),
+        R,
+        R,
+        expect=(Shard,),
+    )
+    case(
+        aten.convolution.default,
+        f"mamba-depthwise-padded-{lay}",
+        args(CONV_X, lambda g: randn(g, 3, 1, 4), None, [1], [3], [1], False, [0], 3),
+        shard(2, lay),
+        R,
+        expect=(Shard,),
+    )
+    case(
+        aten.convolution.default,
+        f"dilated-valid-{lay}",
+        args(CONV_X, lambda g: randn(g, 2, 3, 3), None, [1], [0], [2], False, [0], 1),
+        shard(2, lay),
+        R,
+    )
+case(aten.constant_pad_nd.default, "other-dims-only", args(x3, [1, 2]), shard(1, "zigzag"), expect=(Shard,))
+case(aten.constant_pad_nd.default, "seq-and-other-dims", args(x3, [1, 0, 2, 1], -1.0), shard(1, "uneven"))
+case(aten.constant_pad_nd.default, "replicated-seq", args(x3, [0, 0, 1, -1]), rs(1))
+case(aten.constant_pad_nd.default, "replicated", args(lambda g: randn(g, B, D), [1, 1]), R)
+case(
+    aten.convolution.default,
+    "strided-runs-whole",
+    args(CONV_X, lambda g: randn(g, 2, 3, 3), None, [2], [1], [1], False, [0], 1),
+    shard(2, "even"),
+    R,
+)
+case(
+    aten.convolution.default,
+    "weight-partial",
+    args(CONV_X, lambda g: randn(g, 2, 3, 3), None, [1], [1], [1], False, [0], 1),
+    shard(2, "zigzag"),
+    Partial(),
+)
 # Rotary embeddings through complex numbers (Meta's Llama, torchtitan): [B, S, H, d/2, 2] <-> [B, S, H, d/2].
 for lay in ALL_LAYOUTS:
     case(

@@ -10,6 +10,7 @@ from autosp.sharding.rules import (  # noqa: F401 - register rules
     attention_rows,
     contraction,
     elementwise,
+    halo,
     position,
     reduction,
     shape,
