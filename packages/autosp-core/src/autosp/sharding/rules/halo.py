@@ -7,9 +7,9 @@ output positions; the input positions they read that other ranks hold (the halo)
 all-gather of exactly those positions (``_fetch``), every rank's plan being computed from the static
 layout, so all ranks call the same collective. Positions outside the input are the op's fill value.
 
-Gradients follow by construction: the window is an ``index_select`` from this rank's piece, the
-gathered halo and a fill value, whose backward adds each position's gradient back where it came
-from; the all-gather's backward (a reduce-scatter) returns the halo's gradients to their owners.
+Gradients follow by construction: each window is slices of this rank's piece, of the gathered
+halo and of a fill value, concatenated, whose backward puts each position's gradient back where it
+came from; the all-gather's backward (a reduce-scatter) returns the halo's gradients to their owners.
 
 The output keeps the input's pieces, cut to the output's length, the piece that ends the input also
 taking the positions past its end (``out_layout``). Strided or transposed convolutions, and a
