@@ -640,30 +640,30 @@ for lay in ALL_LAYOUTS:
     case(aten.constant_pad_nd.default, f"token-shift-{lay}", args(x3, [0, 0, 1, -1]), shard(1, lay))
     case(aten.constant_pad_nd.default, f"causal-left-pad-{lay}", args(CONV_X, [2, 0]), shard(2, lay), expect=(Shard,))
     case(aten.constant_pad_nd.default, f"crop-left-pad-right-{lay}", args(x3, [0, 0, -2, 3], 1.5), shard(1, lay))
-    case(
-        aten.convolution.default,
-        f"same-{lay}",
-        args(CONV_X, lambda g: randn(g, 4, 3, 3), lambda g: randn(g, 4), [1], [1], [1], False, [0], 1),
-        shard(2, lay),
-        R,
-        R,
-        expect=(Shard,),
-    )
-    case(
-        aten.convolution.default,
-        f"mamba-depthwise-padded-{lay}",
-        args(CONV_X, lambda g: randn(g, 3, 1, 4), None, [1], [3], [1], False, [0], 3),
-        shard(2, lay),
-        R,
-        expect=(Shard,),
-    )
-    case(
-        aten.convolution.default,
-        f"dilated-valid-{lay}",
-        args(CONV_X, lambda g: randn(g, 2, 3, 3), None, [1], [0], [2], False, [0], 1),
-        shard(2, lay),
-        R,
-    )
+    # name, weight [out, in / groups, K], bias, padding, dilation, groups
+    for name, weight, bias, padding, dilation, groups in (
+        ("same", (4, 3, 3), (4,), 1, 1, 1),
+        ("mamba-depthwise-padded", (3, 1, 4), None, 3, 1, 3),
+        ("dilated-valid", (2, 3, 3), None, 0, 2, 1),
+    ):
+        case(
+            aten.convolution.default,
+            f"{name}-{lay}",
+            args(
+                CONV_X,
+                lambda g, w=weight: randn(g, *w),
+                (lambda g, b=bias: randn(g, *b)) if bias else None,
+                [1],
+                [padding],
+                [dilation],
+                False,
+                [0],
+                groups,
+            ),
+            shard(2, lay),
+            *((R, R) if bias else (R,)),
+            expect=(Shard,),
+        )
 case(aten.constant_pad_nd.default, "other-dims-only", args(x3, [1, 2]), shard(1, "zigzag"), expect=(Shard,))
 case(aten.constant_pad_nd.default, "seq-and-other-dims", args(x3, [1, 0, 2, 1], -1.0), shard(1, "uneven"))
 case(aten.constant_pad_nd.default, "replicated-seq", args(x3, [0, 0, 1, -1]), rs(1))
