@@ -8,8 +8,9 @@ hook. ``autosp.sharding.rules.user_function`` then keeps the sequence shard thro
 Decided by construction, never by a name: both subgraphs are traced to aten on the call's fake
 values, and every op must be tagged pointwise (or copy, cast or alias a value, or make a 0-d
 constant), every value must have the inputs' one shape (or be 0-d), and nothing may draw random
-numbers. Anything else (a reduction, a reshape to another shape, a transpose, a matmul, a size baked into a new tensor, an input of
-another shape such as a weight or a captured scalar) leaves the body whole on every rank, as before.
+numbers. Anything else (a reduction, a reshape to another shape, a transpose, a matmul, a size
+baked into a new tensor, an input of another shape such as a weight or a captured scalar) leaves
+the body whole on every rank, as before.
 """
 
 from __future__ import annotations
@@ -94,13 +95,16 @@ def is_token_wise(
     if len(shape) == 0 or any(a.shape != shape for a in args):
         return False
     with fake_mode:
-        fwd = _trace(lambda *a: run_fwd(*a), args)
-        with torch.no_grad():
-            results, saved = run_fwd(*args)
+        fwd = _trace(run_fwd, args)
+        # The forward's results and saved values, as the trace found them.
+        results, saved = pytree.tree_map(
+            lambda n: n.meta.get("val") if isinstance(n, torch.fx.Node) else n,
+            next(n for n in fwd.graph.nodes if n.op == "output").args[0],
+        )
         if any(not isinstance(t, torch.Tensor) or t.shape != shape for t in [*results, *saved]):
             return False
         grads = [torch.empty_like(r) for r in results]
-        bwd = _trace(lambda *a: run_bwd(*a), [*grads, *saved])
+        bwd = _trace(run_bwd, [*grads, *saved])
     return _elementwise(fwd, shape) and _elementwise(bwd, shape)
 
 

@@ -59,18 +59,26 @@ def _static(ranges: Layout) -> StaticLayout | None:
     return tuple(tuple((int(lo), int(hi)) for lo, hi in pieces) for pieces in ranges)
 
 
-def _segments(ranges: StaticLayout, length: int, lo: int, hi: int) -> list[Segment]:
-    """``[lo, hi)`` cut where the pieces of the layout start and end; outside ``[0, length)`` it is fill."""
-    out: list[Segment] = []
-    if lo < min(hi, 0):
-        out.append((-1, lo, min(hi, 0), 0))
+Held = list[tuple[int, int, int, int]]  # (global lo, global hi, rank, row of lo there), by position
+
+
+def _held(ranges: StaticLayout) -> Held:
+    """Every rank's pieces in position order, with where each starts in its rank's local tensor."""
     held = []
     for rank, pieces in enumerate(ranges):
         row = 0
         for a, b in pieces:
             held.append((a, b, rank, row))
             row += b - a
-    for a, b, rank, row in sorted(held):
+    return sorted(held)
+
+
+def _segments(held: Held, length: int, lo: int, hi: int) -> list[Segment]:
+    """``[lo, hi)`` cut where the pieces of the layout start and end; outside ``[0, length)`` it is fill."""
+    out: list[Segment] = []
+    if lo < min(hi, 0):
+        out.append((-1, lo, min(hi, 0), 0))
+    for a, b, rank, row in held:
         s, e = max(lo, a), min(hi, b)
         if s < e:
             out.append((rank, s, e, row + s - a))
@@ -79,16 +87,17 @@ def _segments(ranges: StaticLayout, length: int, lo: int, hi: int) -> list[Segme
     return out
 
 
-def _route_one_own_position(plan: list[list[Segment]], rank: int) -> list[list[Segment]]:
-    """``plan`` with the first position this rank reads from its own piece split off, to be read
-    back through the all-gather: every rank then uses its result for real, so no compiler drops the
-    collective (or its backward) on a rank that needs no halo, leaving the others waiting in it."""
+def _route_one_own_position(plan: list[list[Segment]], rank: int) -> tuple[list[list[Segment]], Segment | None]:
+    """``plan`` with the first position this rank reads from its own piece split off (returned too),
+    to be read back through the all-gather: every rank then uses its result for real, so no compiler
+    drops the collective (or its backward) on a rank that needs no halo, leaving the others waiting in it."""
     for i, segs in enumerate(plan):
         for j, (owner, s, e, row) in enumerate(segs):
             if owner == rank:
-                split = [(owner, s, s + 1, row), *([(owner, s + 1, e, row + 1)] if e > s + 1 else [])]
-                return [*plan[:i], [*segs[:j], *split, *segs[j + 1 :]], *plan[i + 1 :]]
-    return plan
+                routed = (owner, s, s + 1, row)
+                split = [routed, *([(owner, s + 1, e, row + 1)] if e > s + 1 else [])]
+                return [*plan[:i], [*segs[:j], *split, *segs[j + 1 :]], *plan[i + 1 :]], routed
+    return plan, None
 
 
 def _fetch(ctx: SPContext, v: SPValue, wanted: Layout, fill: Any) -> tuple[list[torch.Tensor], torch.Tensor | None]:
@@ -103,12 +112,14 @@ def _fetch(ctx: SPContext, v: SPValue, wanted: Layout, fill: Any) -> tuple[list[
     dim, length, local = p.axis.dim, int(p.axis.length), v.local
     ranges = _static(p.ranges)
     assert ranges is not None  # _plain_shard checked
-    plans = [[_segments(ranges, length, int(lo), int(hi)) for lo, hi in intervals] for intervals in wanted]
+    held = _held(ranges)
+    plans = [[_segments(held, length, int(lo), int(hi)) for lo, hi in intervals] for intervals in wanted]
     if not any(seg[0] not in (-1, r) for r, plan in enumerate(plans) for segs in plan for seg in segs):
         return [_assemble(ctx, local, dim, segs, fill, None, {}) for segs in plans[ctx.rank]], None
-    plans = [_route_one_own_position(plan, r) for r, plan in enumerate(plans)]
+    split = [_route_one_own_position(plan, r) for r, plan in enumerate(plans)]
+    plans = [plan for plan, _ in split]
     # Segments read through the all-gather, in one order on every rank: rank-major, then position.
-    routed = {seg for seg in (_routed(plan, r) for r, plan in enumerate(plans)) if seg is not None}
+    routed = {seg for _, seg in split if seg is not None}
     others = {seg for r, plan in enumerate(plans) for segs in plan for seg in segs if seg[0] not in (-1, r)}
     halo = sorted(others | routed)
     sizes = [sum(e - s for owner, s, e, _ in halo if owner == r) for r in range(ctx.world)]
@@ -134,11 +145,6 @@ def _tied(out: torch.Tensor, buffer: torch.Tensor | None, dim: int) -> torch.Ten
     shape = list(out.shape)
     shape[dim] = 0
     return torch.cat([out, buffer.reshape(-1)[:0].reshape(shape).to(out.dtype)], dim)
-
-
-def _routed(plan: list[list[Segment]], rank: int) -> Segment | None:
-    """The one-position segment ``_route_one_own_position`` split off (the first of this rank's own)."""
-    return next((seg for segs in plan for seg in segs if seg[0] == rank), None)
 
 
 def _assemble(
