@@ -394,6 +394,14 @@ def test_reductions_along_features_and_lookups_stay_sharded(pool: SPMDPool) -> N
         assert not r["fallbacks"], f"{where}: {r['fallbacks']}"
 
 
+@pytest.mark.extended(covered_by="test_reductions_along_features_and_lookups_stay_sharded")
+def test_reductions_along_features_and_lookups_on_four_ranks_under_inductor() -> None:
+    # The same rules (stack, nll_loss2d, view_as_complex, ...) on 4 ranks, hybrid's two groups, Inductor.
+    probes = [("feature-reductions", 32, 2), ("complex-rope", 32, 2)]
+    for where, r in _exact(run_spmd(run_probes, 4, probes, "hybrid", "inductor"), probes, "hybrid inductor P=4"):
+        assert not r["fallbacks"], f"{where}: {r['fallbacks']}"
+
+
 def test_length_not_divisible_is_refused(pool: SPMDPool) -> None:
     per_rank = pool.run(run_probes, [("rwkv-shift", 17, 2)], "ulysses", timeout_s=300)
     for results in per_rank:
