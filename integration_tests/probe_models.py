@@ -328,14 +328,16 @@ class Selections(LMBase):
 
 
 class Mixers(LMBase):
-    """Token mixing beyond attention: FFT (FNet), a causal depthwise conv (Mamba), recurrences
-    (``nn.GRU``, a Python loop over positions), flips, rolls, running maxima, CTC, medians."""
+    """Token mixing beyond attention: FFT (FNet), a causal depthwise conv (Mamba), a dilated conv
+    without padding whose shorter output is padded back (on some ranks it holds no position),
+    recurrences (``nn.GRU``, a Python loop over positions), flips, rolls, running maxima, CTC, medians."""
 
     def __init__(self, kind: str) -> None:
         super().__init__()
         self.kind = kind
         self.conv = nn.Conv1d(DIM, DIM, 4, groups=DIM)
         self.rnn = nn.GRU(DIM, DIM, batch_first=True) if kind == "gru" else None
+        self.valid = nn.Conv1d(DIM, DIM, 5, dilation=2) if kind == "valid-conv" else None
         self.cls = nn.Linear(DIM, CLASSES)
 
     def forward(self, ids, y):
@@ -346,6 +348,8 @@ class Mixers(LMBase):
             x = x + torch.fft.fft(torch.fft.fft(x, dim=-1), dim=1).real
         elif self.kind == "causal-conv":  # left pad, depthwise conv, crop
             x = x + self.conv(F.pad(x.transpose(1, 2), (3, 0)))[..., :S].transpose(1, 2)
+        elif self.kind == "valid-conv":  # 8 positions shorter, padded back on the left
+            x = x + F.pad(self.valid(x.transpose(1, 2)), (8, 0)).transpose(1, 2)
         elif self.kind == "gru":  # Dynamo breaks the graph around it
             x = x + self.rnn(x)[0]
         elif self.kind == "position-loop":
@@ -501,7 +505,7 @@ BUILDERS: dict[str, Callable[[int], nn.Module]] = {
     "multi-output": lambda s: MultiOutput(),
     **{
         f"mix-{k}": (lambda s, k=k: Mixers(k))
-        for k in ("fnet", "causal-conv", "gru", "position-loop", "flip-roll", "cummax", "ctc", "median")
+        for k in ("fnet", "causal-conv", "valid-conv", "gru", "position-loop", "flip-roll", "cummax", "ctc", "median")
     },
     **{f"route-{k}": (lambda s, k=k: Routes(k)) for k in ROUTES},
     **{

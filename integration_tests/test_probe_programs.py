@@ -174,7 +174,9 @@ def test_token_mixers_under_sac(pool: SPMDPool) -> None:
 # Ops reading nearby positions (sharding.rules.halo): RWKV's token shift (a negative pad) and a causal
 # depthwise convolution (left pad, conv1d, crop) once gathered their input whole; now each rank
 # computes its own positions, a few neighbouring ones crossing in one small all-gather.
-HALO = [("rwkv-shift", 16, 2), ("mix-causal-conv", 16, 2)]
+# mix-valid-conv: under Ulysses at P=2 the conv's output (8 positions) is all rank 0's; rank 1 must
+# still read the weight (once it had no gradient for the all-reduce) and join the halo's reduce-scatter.
+HALO = [("rwkv-shift", 16, 2), ("mix-causal-conv", 16, 2), ("mix-valid-conv", 16, 2)]
 
 
 def _halo_exact(per_rank: list, probes: list, what: str) -> None:

@@ -357,6 +357,15 @@ def _verify(
             what = f"{where}: output {i} ({run.placements[i]}) on rank {r}"
             report.max_value_error = max(report.max_value_error, _compare(what, got, want, check_values, atol, rtol))
     for i, want in enumerate(ref_grads):
+        reached = [r for r, run in enumerate(runs) if run.grads[i] is not None]
+        if reached and len(reached) < len(runs):
+            # Contract 5: a rank whose program never reads an input has no gradient for it, so in a
+            # real run it would leave that input out of the gradient all-reduce, or skip the backward
+            # (and its collectives) altogether when nothing else there needs one.
+            raise RuleMismatch(
+                f"{where}: the gradient of input {i} ({placements[i]}) reaches ranks {reached} only: every rank's "
+                "result must depend on every differentiable input, as a zero on a rank that holds nothing"
+            )
         parts = [run.grads[i] for run in runs if run.grads[i] is not None]
         if want is None and not parts:
             continue
