@@ -74,6 +74,20 @@ def test_the_group_op_sequence_names_each_op_and_its_group_in_graph_order():
     ]
 
 
+def test_an_all_reduce_carries_its_shape_so_ranks_sending_different_sizes_part():
+    # A gradient bucket missing one parameter's gradient on one rank: same ops, different sizes.
+    def graph(numel: int) -> fx.Graph:
+        g = fx.Graph()
+        a = g.placeholder("a")
+        a.meta["val"] = torch.empty(numel)
+        y = g.call_function(c10d.all_reduce.default, (a, "sum", "9"))
+        g.output(g.call_function(c10d.wait_tensor.default, (y,)))
+        return g
+
+    assert group_op_sequence(graph(8))[0] == "_c10d_functional::all_reduce[float32 8]@9"
+    assert group_op_sequence(graph(8)) != group_op_sequence(graph(6))
+
+
 def test_a_group_reads_as_its_size_on_every_rank():
     # A hybrid layout's sub-groups have other names on other ranks of the SP group; their sizes agree.
     import torch.distributed as dist

@@ -73,8 +73,11 @@ def group_op_sequence(graph: Graph, label: Callable[[str], str] = str) -> list[s
     """The graph's group ops in its order, each as ``op@label(group)``: what every SP rank must issue alike.
 
     Sizes and other arguments may differ between ranks (their pieces); which ops, in which order, may
-    not. ``label``: how a group's name reads, alike on the ranks of the SP group (a hybrid layout's
-    sub-groups have other names on other ranks: ``group_size_label``).
+    not. An all-reduce is the exception: every rank sends the same shape (a partial sum, a gradient
+    bucket), so its dtype and shape are part of it (``op[float32 2x8]@group``) and a rank whose
+    program differs there (a bucket missing a gradient) is refused at compile time rather than
+    aborting inside gloo. ``label``: how a group's name reads, alike on the ranks of the SP group (a
+    hybrid layout's sub-groups have other names on other ranks: ``group_size_label``).
     """
     out = []
     for node in graph.nodes:
@@ -84,8 +87,16 @@ def group_op_sequence(graph: Graph, label: Callable[[str], str] = str) -> list[s
         names = [a.name for a in schema.arguments]
         i = names.index("group_name") if "group_name" in names else None
         group = node.kwargs.get("group_name", node.args[i] if i is not None and i < len(node.args) else None)
-        out.append(f"{schema.name}@{label(group)}" if isinstance(group, str) else schema.name)
+        name = f"{schema.name}{_reduced_shape(node)}" if schema.name.endswith("::all_reduce") else schema.name
+        out.append(f"{name}@{label(group)}" if isinstance(group, str) else name)
     return out
+
+
+def _reduced_shape(node: Node) -> str:
+    val = node.args[0].meta.get("val") if node.args and isinstance(node.args[0], Node) else None
+    if not isinstance(val, torch.Tensor):
+        return ""
+    return f"[{str(val.dtype).removeprefix('torch.')} {'x'.join(str(n) for n in val.shape)}]"
 
 
 def group_size_label(name: str) -> str:
