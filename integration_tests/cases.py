@@ -114,4 +114,4 @@ def dynamic_lengths(rank: int, world: int, batches: list[torch.Tensor]) -> dict[
         torch._dynamo.mark_dynamic(ids, 1)
         model.zero_grad(set_to_none=True)
         steps.append(step(compiled, "llama", {"ids": ids, "labels": ids}))
-    return {"steps": steps, "graphs": len(compiled.autosp_reports)}
+    return {"steps": steps, "graphs": len(compiled.autosp_reports), "report": str(compiled.autosp_reports[0])}

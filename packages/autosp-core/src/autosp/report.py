@@ -27,7 +27,10 @@ class Report:
     sac: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     hardware: str = ""
-    seq_len: int | None = None  # the sequence length this graph sharded, if any
+    seq_len: int | None = None  # the sequence length this graph sharded, if any (at compile time)
+    # The symbol of a length marked dynamic: the graph serves other lengths too, while ``seq_len``
+    # and the estimates (SAC's memory and time) are the compile-time call's.
+    seq_symbol: str | None = None
     outputs: list[str] = field(default_factory=list)  # what leaves the graph (crosses a graph break)
     random_ops: list[tuple[str, str]] = field(default_factory=list)  # (device type, op and line) drawing random numbers
     # The group ops of the compiled forward, then backward, in the order each rank issues them; None
@@ -41,12 +44,7 @@ class Report:
             f"  attention sites: {len(self.sites)}",
         ]
         if self.sp_size > 1:
-            lines.insert(
-                1,
-                f"  sequence length {self.seq_len} sharded over {self.sp_size} ranks"
-                if self.seq_len
-                else "  no sequence sharded: the graph runs whole on every rank",
-            )
+            lines.insert(1, self._sharded_line())
         if self.hardware:
             lines.insert(1, f"  hardware profile: {self.hardware}")
         lines += [f"    {s.describe()}" for s in self.sites]
@@ -75,6 +73,16 @@ class Report:
             lines += [f"    {k}: {v}" for k, v in self.sac.items()]
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+    def _sharded_line(self) -> str:
+        if not self.seq_len:
+            return "  no sequence sharded: the graph runs whole on every rank"
+        if self.seq_symbol:
+            return (
+                f"  sequence length dynamic ({self.seq_symbol}; {self.seq_len} when compiled, the length the "
+                f"estimates below are for) sharded over {self.sp_size} ranks"
+            )
+        return f"  sequence length {self.seq_len} sharded over {self.sp_size} ranks"
 
 
 __all__ = ["Report"]

@@ -257,6 +257,7 @@ def _settle_sequence(ctx: CompileContext, lengths: list, written_out: list[Eager
         ctx.variant.check(site, ctx.world)
     ctx.seq_len = seq
     ctx.report.seq_len = hint(seq)
+    ctx.report.seq_symbol = str(seq) if isinstance(_concrete(seq), torch.SymInt) else None
     for name, x, param in zip(ctx.input_names, ctx.fake_inputs, ctx.is_param):
         if isinstance(x, torch.Tensor) and not param:
             dim = guess_seq_dim(x.shape, seq)
