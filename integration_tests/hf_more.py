@@ -37,6 +37,7 @@ ARCHITECTURES: dict[str, tuple[str, str, str]] = {
     "GPTBigCode (MQA)": ("gpt_bigcode", "sdpa", "lm"),
     "XGLM (eager)": ("xglm", "eager", "lm"),
     "BLOOM (ALiBi in baddbmm)": ("bloom", "eager", "lm"),
+    "GPT-OSS (attention sinks, MoE)": ("gpt_oss", "eager", "lm"),
     "BioGPT": ("biogpt", "sdpa", "lm"),
     "SmolLM3": ("smollm3", "sdpa", "lm"),
     "GLM": ("glm", "sdpa", "lm"),

@@ -122,6 +122,28 @@ class EinsumAttention(LMBase):
         return self.lm_loss(x, ids)
 
 
+class AttentionSinks(LMBase):
+    """GPT-OSS's eager attention, the model's only attention: a learned logit per head joins the keys
+    in the softmax (the row's max subtracted first) and is dropped after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sinks = nn.Parameter(torch.linspace(-1.0, 1.0, HEADS))
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        B, S, _ = x.shape
+        q, k, v = self.attn.heads(self.ln(x))
+        keep = torch.ones(S, S, dtype=torch.bool).tril()
+        scores = torch.matmul(q, k.transpose(2, 3)) * HD**-0.5 + torch.where(keep, 0.0, float("-inf"))
+        sinks = self.sinks.reshape(1, -1, 1, 1).expand(B, -1, S, -1)
+        combined = torch.cat([scores, sinks], dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        probs = F.softmax(combined, dim=-1)[..., :-1]
+        a = torch.matmul(probs, v).transpose(1, 2).reshape(B, S, DIM)
+        return self.lm_loss(x + self.attn.out(a), ids)
+
+
 def t5_bucket(rel: torch.Tensor, buckets: int = 8, max_distance: int = 32) -> torch.Tensor:
     """T5's bidirectional relative-position bucket."""
     buckets //= 2
@@ -490,6 +512,7 @@ BUILDERS: dict[str, Callable[[int], nn.Module]] = {
     "complex-rope": lambda s: ComplexRope(),
     "interleaved-rope": lambda s: InterleavedRope(),
     "einsum-attention": lambda s: EinsumAttention(),
+    "attention-sinks": lambda s: AttentionSinks(),
     "t5-bias": lambda s: T5Bias(),
     "alibi": lambda s: Alibi(),
     "opt-positions": lambda s: OptPositions(),
@@ -565,6 +588,7 @@ def inputs(name: str, seq: int = 16, batch: int = 2) -> tuple[torch.Tensor, ...]
         "complex-rope",
         "interleaved-rope",
         "einsum-attention",
+        "attention-sinks",
         "rwkv-shift",
         "linear-scan",
         "multi-output",

@@ -171,6 +171,20 @@ def test_token_mixers_under_sac(pool: SPMDPool) -> None:
     _exact(pool.run(run_probes, MIXERS, "ulysses", "aot_eager", options, timeout_s=600), MIXERS, "sac")
 
 
+# GPT-OSS's attention sinks (a logit per head joined to the keys, dropped after the softmax): once not
+# found as attention, so a model whose every layer has sinks ran whole on every rank, with no sequence
+# parallelism. Found now and kept as written: each rank computes its rows, k and v gathered.
+SINKS = [("attention-sinks", 16, 2)]
+
+
+@pytest.mark.parametrize(
+    "variant", ["ulysses", pytest.param("ring", marks=pytest.mark.extended(covered_by="test_attention_sinks_are_found_and_kept_as_written"))]
+)
+def test_attention_sinks_are_found_and_kept_as_written(pool: SPMDPool, variant: str) -> None:
+    for where, r in _exact(pool.run(run_probes, SINKS, variant, timeout_s=600), SINKS, variant):
+        assert r["sharded"] == [16] and not r["fallbacks"], f"{where}: {r['sharded']} {r['fallbacks']}"
+
+
 # Ops reading nearby positions (sharding.rules.halo): RWKV's token shift (a negative pad) and a causal
 # depthwise convolution (left pad, conv1d, crop) once gathered their input whole; now each rank
 # computes its own positions, a few neighbouring ones crossing in one small all-gather.

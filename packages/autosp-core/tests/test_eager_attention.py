@@ -142,6 +142,30 @@ def einsum_over_queries(q, k, v, mask):
     return torch.einsum("bhqk,bhqd->bhkd", att, v)
 
 
+def _sinks():
+    return torch.linspace(-1.0, 1.0, H)  # made inside the trace (a module's parameter in a real model)
+
+
+def sinks_gpt_oss(q, k, v, mask):
+    # GPT-OSS's eager attention: a logit per head joins the keys, the row's max is subtracted, the sink dropped.
+    s = torch.matmul(q, k.transpose(2, 3)) * D**-0.5 + torch.where(mask, 0.0, float("-inf"))
+    combined = torch.cat([s, _sinks().reshape(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[-2], -1)], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    return torch.matmul(F.softmax(combined, dim=-1)[..., :-1], v)
+
+
+def sinks_plain(q, k, v, mask):
+    s = (q @ k.transpose(-2, -1) / math.sqrt(D)).masked_fill(~mask, float("-inf"))
+    return torch.cat([s, _sinks().view(1, H, 1, 1).expand(B, H, S, 1)], -1).softmax(-1)[..., :S] @ v
+
+
+def sink_column_kept(q, k, v, mask):
+    # The sink's probability is used (its column multiplies a value row): not attention over the keys.
+    s = (q @ k.transpose(-2, -1) / math.sqrt(D)).masked_fill(~mask, float("-inf"))
+    p = torch.cat([s, _sinks().view(1, H, 1, 1).expand(B, H, S, 1)], -1).softmax(-1)
+    return p @ torch.cat([v, v[:, :, :1]], 2)
+
+
 def _inputs():
     g = torch.Generator().manual_seed(0)
     return [torch.randn(B, H, S, D, generator=g) for _ in range(3)] + [CAUSAL]
@@ -194,6 +218,8 @@ def test_sdpa_expressible_forms_become_one_exact_call(fn):
         (bias_minus_scaled_scores, "negates the scores"),
         (bias_from_q, "adds a bias computed from q"),
         (negative_alpha, "positive constant"),
+        (sinks_gpt_oss, "sink logit per head"),
+        (sinks_plain, "sink logit per head"),
     ],
 )
 def test_other_forms_are_found_and_kept(fn, why):
@@ -344,3 +370,13 @@ def test_sdpa_kernels_become_the_leaf():
     assert len(_ops(gm, SDPA.leaf)) == 1 and not _ops(gm, flash)
     torch.testing.assert_close(gm(*_inputs()), attention_out(*_inputs()), rtol=1e-5, atol=1e-6)
     assert leaves_for_kernels(_lowered(lse_used)) == 0
+
+
+def test_a_sink_whose_probability_is_used_is_not_attention():
+    assert find_eager_regions(_lowered(sink_column_kept)) == []
+
+
+def test_a_sink_region_has_the_sites_lengths():
+    (region,) = find_eager_regions(_lowered(sinks_gpt_oss))
+    site = region_site(region)
+    assert (site.seq_len, site.kv_seq_len, site.heads, site.head_dim) == (S, S, H, D)

@@ -13,9 +13,9 @@ positive Python number (scaling, adding a mask or bias that does not depend on t
 masking with a constant ``<= -1e30`` or ``-inf``) - so SDPA with ``scale=a`` and
 ``attn_mask=f(0)`` computes the same softmax.  ``f(0)`` is built by running those very ops on a
 zero tensor, so whatever mask the model builds comes along unchanged.  Anything else (soft-capping
-with ``tanh``, the probabilities used elsewhere, as with ``output_attentions``) is left as written
-and said so: the region still counts as attention for finding the sequence, and the sharding
-rules keep it exact.
+with ``tanh``, the probabilities used elsewhere, as with ``output_attentions``, GPT-OSS's sinks:
+``softmax(cat([s, sink], -1))[..., :-1]``) is left as written and said so: the region still counts
+as attention for finding the sequence, and the sharding rules keep it exact.
 """
 
 from __future__ import annotations
@@ -375,16 +375,45 @@ def _forward_to_bmm(node: torch.fx.Node, path: list[torch.fx.Node]) -> tuple[tor
     return None
 
 
+def _sink(sm: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node] | None:
+    """``(scores, kept)`` where the softmax takes ``cat([scores, sinks], -1)`` (through ops of its shape,
+    such as subtracting the row's max) and only ``kept = probs[..., :Sk]`` is used: GPT-OSS's attention
+    sinks, a logit per head that joins the keys in the softmax's denominator and is then dropped."""
+    shape, node = _shape(sm), sm.args[0]
+    for _ in range(8):
+        if not isinstance(node, torch.fx.Node) or node.op != "call_function":
+            return None
+        if node.target is aten.cat.default:
+            break
+        node = next((a for a in node.args if isinstance(a, torch.fx.Node) and _shape(a) == shape), None)
+    else:
+        return None
+    tensors, dim = node.args[0], node.args[1] if len(node.args) > 1 else 0
+    if dim % 4 != 3 or len(tensors) != 2:
+        return None
+    scores, sinks = tensors
+    sk = _shape(scores)[3] if len(_shape(scores)) == 4 else None
+    users = live_users(sm)
+    if sk is None or _shape(sinks)[:3] != shape[:3] or len(users) != 1:
+        return None
+    kept = users[0]
+    if kept.target is not aten.slice.Tensor or kept.args[1] % 4 != 3 or _shape(kept) != _shape(scores):
+        return None
+    start = kept.args[2] if len(kept.args) > 2 else 0
+    return (scores, kept) if start in (0, None) else None
+
+
 def _region_at(sm: torch.fx.Node) -> EagerRegion | None:
     ndim = len(_shape(sm))
     if ndim != 4 or sm.args[1] % ndim != 3:
         return None
-    chain = _back_to_scores(sm.args[0], _shape(sm))
+    sink = _sink(sm)
+    chain = _back_to_scores(sm.args[0], _shape(sm)) if sink is None else _back_to_scores(sink[0], _shape(sink[0]))
     if chain is None:
         return None
     scores, ops = chain[0], chain[1:]
     mm = _score_mm(scores)
-    found = _forward_to_bmm(sm, [])
+    found = _forward_to_bmm(sm if sink is None else sink[1], [])
     if mm is None or found is None:
         return None
     after, path = found
@@ -421,6 +450,9 @@ def _region_at(sm: torch.fx.Node) -> EagerRegion | None:
     if _shape(region.output) != out_shape:
         return None
     _judge(region, scores)
+    if sink is not None:
+        # Found, so the graph shards its sequence; SDPA has no sinks, and no variant adds them yet.
+        region.why_not = "its softmax also weighs a sink logit per head (GPT-OSS), which SDPA does not take"
     return region
 
 
