@@ -178,7 +178,13 @@ SINKS = [("attention-sinks", 16, 2)]
 
 
 @pytest.mark.parametrize(
-    "variant", ["ulysses", pytest.param("ring", marks=pytest.mark.extended(covered_by="test_attention_sinks_are_found_and_kept_as_written"))]
+    "variant",
+    [
+        "ulysses",
+        pytest.param(
+            "ring", marks=pytest.mark.extended(covered_by="test_attention_sinks_are_found_and_kept_as_written")
+        ),
+    ],
 )
 def test_attention_sinks_are_found_and_kept_as_written(pool: SPMDPool, variant: str) -> None:
     for where, r in _exact(pool.run(run_probes, SINKS, variant, timeout_s=600), SINKS, variant):
