@@ -38,6 +38,7 @@ ARCHITECTURES: dict[str, tuple[str, str, str]] = {
     "XGLM (eager)": ("xglm", "eager", "lm"),
     "BLOOM (ALiBi in baddbmm)": ("bloom", "eager", "lm"),
     "GPT-OSS (attention sinks, MoE)": ("gpt_oss", "eager", "lm"),
+    "DeepSeek-V3 (MLA, MoE)": ("deepseek_v3", "sdpa", "lm"),
     "BioGPT": ("biogpt", "sdpa", "lm"),
     "SmolLM3": ("smollm3", "sdpa", "lm"),
     "GLM": ("glm", "sdpa", "lm"),
@@ -95,6 +96,12 @@ def config(model_type: str, attention: str) -> Any:
         cfg.layer_types = ["full_attention"] * hm.LAYERS
     if model_type == "gemma3_text":
         cfg.sliding_window = hm.WINDOW
+    if model_type == "deepseek_v3":  # MLA: low-rank q and kv, heads split into a rotary and a plain half
+        head = hm.HIDDEN // hm.HEADS
+        cfg.num_key_value_heads = hm.HEADS
+        cfg.update(dict(q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=head // 2, qk_nope_head_dim=head // 2))
+        cfg.update(dict(v_head_dim=head, qk_head_dim=head, head_dim=head // 2, moe_intermediate_size=16))
+        cfg.update(dict(n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1))
     if model_type == "gpt_neo":  # one global and one local layer, the local window cutting the sequence
         cfg.attention_types = [[["global", "local"], 1]]
         cfg.attention_layers = ["global", "local"]

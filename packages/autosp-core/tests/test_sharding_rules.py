@@ -1291,6 +1291,75 @@ case(
 )
 case(aten.gather.default, "replicated", args(x3, 2, lambda g: ints(g, D, B, S, 1)), rs(1), R)
 
+# Fresh tensors (only the operand's dtype and device read) and writes along dims other than the sequence:
+# DeepSeek's MLA fills a new_empty with q's halves (slice_scatter); its router scatters over expert groups.
+for lay in ALL_LAYOUTS:
+    case(aten.new_zeros.default, f"seq-operand-{lay}", args(x3, [B, S, D]), shard(1, lay), expect=(Replicate,))
+    case(aten.new_full.default, f"seq-operand-{lay}", args(x3, [S, 3], 1.5), shard(1, lay), expect=(Replicate,))
+    case(
+        aten.new_empty.default,
+        f"seq-operand-{lay}",
+        args(x3, [B, S, D]),
+        shard(1, lay),
+        expect=(Replicate,),
+        check_values=False,
+    )
+    for name, placements in (("both", (shard(1, lay), shard(1, lay))), ("src", (R, shard(1, lay)))):
+        case(
+            aten.slice_scatter.default,
+            f"head-dim-{name}-{lay}",
+            args(x3, lambda g: randn(g, B, S, 2), 2, 1, 3),
+            *placements,
+            expect=(Shard,),
+        )
+    case(
+        aten.scatter.src,
+        f"features-{lay}",
+        args(x3, 2, lambda g: ints(g, D, B, S, 2), lambda g: randn(g, B, S, 2)),
+        shard(1, lay),
+        rs(1),
+        shard(1, lay),
+        expect=(Shard,),
+    )
+    case(
+        aten.scatter.value,
+        f"features-{lay}",
+        args(x3, -1, lambda g: ints(g, D, B, S, 2), 1.5),
+        R,
+        shard(1, lay),
+        expect=(Shard,),
+    )
+    case(
+        aten.scatter_add.default,
+        f"features-{lay}",
+        args(x3, 2, lambda g: ints(g, D, B, S, 3), lambda g: randn(g, B, S, 3)),
+        shard(1, lay),
+        shard(1, lay),
+        R,
+        expect=(Shard,),
+    )
+    case(
+        aten.scatter_reduce.two,
+        f"features-amax-{lay}",
+        args(x3, 2, lambda g: ints(g, D, B, S, 3), lambda g: randn(g, B, S, 3), "amax", include_self=False),
+        shard(1, lay),
+        shard(1, lay),
+        shard(1, lay),
+        expect=(Shard,),
+    )
+case(aten.new_ones.default, "partial-operand", args(lambda g: randn(g, B, D), [2, 3]), Partial(), expect=(Replicate,))
+case(aten.slice_scatter.default, "along-seq", args(x3, lambda g: randn(g, B, 4, D), 1, 2, 6), shard(1, "zigzag"), R)
+case(aten.slice_scatter.default, "replicated", args(x3, lambda g: randn(g, B, S, 2), 2, 0, 2), rs(1), rs(1))
+case(aten.scatter.src, "along-seq", args(x3, 1, lambda g: ints(g, S, B, S, D), x3), shard(1, "uneven"), R, R)
+case(
+    aten.scatter.src,
+    "index-shorter-on-seq",
+    args(x3, 2, lambda g: ints(g, D, B, S - 2, 1), lambda g: randn(g, B, S - 2, 1)),
+    shard(1, "even"),
+    R,
+    R,
+)
+
 # Attention that is no variant's site: queries' rows against a memory every rank holds whole (cross-attention).
 # The leaf has no backward of its own (the SP rewrite replaces it), so values only; test_written_attention's
 # cross-attention model checks the gradients end to end.

@@ -324,6 +324,68 @@ def gather_rule(ctx, node, args, kwargs):
     return SPValue(local, Shard(lead.axis, lead.ranges), node.meta["val"])
 
 
+@rule(
+    aten.new_empty.default,
+    aten.new_zeros.default,
+    aten.new_ones.default,
+    aten.new_full.default,
+    accepts=(Partial, HeadShard),
+)
+def new_tensor_rule(ctx, node, args, kwargs):
+    """A fresh tensor of the size the program asks for, whole on every rank: the operand lends only
+    its dtype and device, so no piece of it need be gathered (DeepSeek's MLA fills a ``new_empty``
+    with the no-rotary and rotary halves of q and k)."""
+    out = call(node, (args[0].local, *args[1:]), kwargs)
+    return SPValue(out, Replicate(), node.meta["val"])
+
+
+def _scatter_into(
+    ctx: SPContext, node: torch.fx.Node, base: SPValue, others: list[SPValue], dim: int, local_fn: Callable
+) -> SPValue | None:
+    """``base`` with values written along ``dim`` (not the sequence), each position of ``others`` going
+    to the same sequence position of ``base``: token-wise, so every operand is cut like the first
+    sharded one and written locally. None where that does not hold (the caller falls back)."""
+    lead = next((v.placement for v in (base, *others) if isinstance(v.placement, Shard)), None)
+    if lead is None:
+        return None
+    sdim = lead.axis.dim
+    if sdim == dim or any(v.ndim != base.ndim or v.gval.shape[sdim] != base.gval.shape[sdim] for v in others):
+        return None
+    pieces = [to_shard(ctx, v, sdim, lead) for v in (base, *others)]
+    return SPValue(local_fn(*pieces), Shard(lead.axis, lead.ranges), node.meta["val"])
+
+
+@rule(aten.slice_scatter.default)
+def slice_scatter_rule(ctx, node, args, kwargs):
+    """``base[..., a:b, ...] = src`` along a dim other than the sequence (a head dim split in two halves)."""
+    base, src, rest = args[0], args[1], list(args[2:])
+    dim = normalize_dim(rest[0] if rest else kwargs.get("dim", 0), base.ndim)
+    if all_replicated((base, src)):
+        return replicated(ctx, node, args, kwargs)
+    out = _scatter_into(ctx, node, base, [src], dim, lambda b, x: aten.slice_scatter(b, x, *rest, **kwargs))
+    return out if out is not None else fallback(ctx, node, args, kwargs)
+
+
+@rule(aten.scatter.value, aten.scatter.src, aten.scatter_add.default, aten.scatter_reduce.two)
+def scatter_rule(ctx, node, args, kwargs):
+    """``x.scatter(d, index, src)`` along a dim other than the sequence, ``index`` (and ``src``) as long
+    as ``x`` along it: position j of ``index`` writes into position j of ``x`` (a mask over experts
+    or expert groups per token, as DeepSeek-V3's router builds)."""
+    base, index = args[0], args[2]
+    dim = normalize_dim(args[1], base.ndim)
+    src = args[3] if len(args) > 3 and isinstance(args[3], SPValue) else None
+    operands = [index, *([src] if src is not None else [])]
+    tail = list(args[3 + (src is not None) :])
+
+    def local(b, i, *x):
+        return node.target(b, dim, i, *x, *tail, **kwargs)
+
+    if all_replicated((base, *operands)):
+        return replicated(ctx, node, args, kwargs)
+    out = _scatter_into(ctx, node, base, operands, dim, local)
+    return out if out is not None else fallback(ctx, node, args, kwargs)
+
+
 @rule(aten.sym_size.int, accepts=(Partial, HeadShard))
 def sym_size_rule(ctx, node, args, kwargs):
     # Shapes in the graph are global sizes; rules derive the local ones, so answer globally.
