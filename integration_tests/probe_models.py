@@ -122,6 +122,21 @@ class EinsumAttention(LMBase):
         return self.lm_loss(x, ids)
 
 
+class StridedTokens(LMBase):
+    """Every other token mixed and handed back to its pair (``x[:, ::2]``, ``repeat_interleave``, as
+    hourglass models pool), and a penalty on every third token (``x[:, 1::3]``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mix = nn.Linear(DIM, DIM)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        x = x + self.attn(self.ln(x))
+        x = x + self.mix(x[:, ::2]).repeat_interleave(2, dim=1)
+        return self.lm_loss(x, ids) + x[:, 1::3].pow(2).mean()
+
+
 class AttentionSinks(LMBase):
     """GPT-OSS's eager attention, the model's only attention: a learned logit per head joins the keys
     in the softmax (the row's max subtracted first) and is dropped after it."""
@@ -513,6 +528,7 @@ BUILDERS: dict[str, Callable[[int], nn.Module]] = {
     "interleaved-rope": lambda s: InterleavedRope(),
     "einsum-attention": lambda s: EinsumAttention(),
     "attention-sinks": lambda s: AttentionSinks(),
+    "strided-tokens": lambda s: StridedTokens(),
     "t5-bias": lambda s: T5Bias(),
     "alibi": lambda s: Alibi(),
     "opt-positions": lambda s: OptPositions(),
@@ -589,6 +605,7 @@ def inputs(name: str, seq: int = 16, batch: int = 2) -> tuple[torch.Tensor, ...]
         "interleaved-rope",
         "einsum-attention",
         "attention-sinks",
+        "strided-tokens",
         "rwkv-shift",
         "linear-scan",
         "multi-output",

@@ -191,6 +191,23 @@ def test_attention_sinks_are_found_and_kept_as_written(pool: SPMDPool, variant: 
         assert r["sharded"] == [16] and not r["fallbacks"], f"{where}: {r['sharded']} {r['fallbacks']}"
 
 
+# Strided slices along the sequence (x[:, ::2], x[:, 1::3]): each rank keeps the kept positions it
+# holds, nothing crossing (once gathered whole). Ring's zigzag pieces make the uneven case.
+STRIDED = [("strided-tokens", 24, 2)]
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        "ring",
+        pytest.param("ulysses", marks=pytest.mark.extended(covered_by="test_strided_slices_stay_sharded")),
+    ],
+)
+def test_strided_slices_stay_sharded(pool: SPMDPool, variant: str) -> None:
+    for where, r in _exact(pool.run(run_probes, STRIDED, variant, timeout_s=600), STRIDED, variant):
+        assert r["sharded"] == [24] and not r["fallbacks"], f"{where}: {r['sharded']} {r['fallbacks']}"
+
+
 # Ops reading nearby positions (sharding.rules.halo): RWKV's token shift (a negative pad) and a causal
 # depthwise convolution (left pad, conv1d, crop) once gathered their input whole; now each rank
 # computes its own positions, a few neighbouring ones crossing in one small all-gather.

@@ -1001,8 +1001,11 @@ for lay in ALL_LAYOUTS:
     case(aten.slice.Tensor, f"[:,:-1]-{lay}", args(x3, 1, 0, -1), shard(1, lay))
     case(aten.slice.Tensor, f"[:,5:17]-{lay}", args(x3, 1, 5, 17), shard(1, lay))
     case(aten.slice.Tensor, f"[:,-1:]-{lay}", args(x3, 1, -1, END), shard(1, lay))
-    case(aten.slice.Tensor, f"[:,::2]-{lay}", args(x3, 1, 0, END, 2), shard(1, lay))
-    case(aten.slice.Tensor, f"[:,1::3]-{lay}", args(x3, 1, 1, END, 3), shard(1, lay))
+    # Strided: each rank keeps the kept positions it holds (once gathered whole).
+    case(aten.slice.Tensor, f"[:,::2]-{lay}", args(x3, 1, 0, END, 2), shard(1, lay), expect=(Shard,))
+    case(aten.slice.Tensor, f"[:,1::3]-{lay}", args(x3, 1, 1, END, 3), shard(1, lay), expect=(Shard,))
+    case(aten.slice.Tensor, f"[:,3:20:5]-{lay}", args(x3, 1, 3, 20, 5), shard(1, lay), expect=(Shard,))
+    case(aten.slice.Tensor, f"[:,::30]-{lay}", args(x3, 1, 0, END, 30), shard(1, lay), expect=(Shard,))
     case(aten.select.int, f"first-token-{lay}", args(x3, 1, 0), shard(1, lay))
     case(aten.select.int, f"last-token-{lay}", args(x3, 1, -1), shard(1, lay))
     case(aten.select.int, f"token-13-{lay}", args(x3, 1, 13), shard(1, lay))

@@ -137,24 +137,43 @@ def slice_rule(ctx, node, args, kwargs):
         # Nothing of the sequence is left: an empty value, the same on every rank.
         return SPValue(v.local.narrow(dim, 0, 0), Replicate(), node.meta["val"])
     axis = p.axis
-    if axis.inner != 1 or axis.outer(size) != 1 or step != 1:
+    if axis.inner != 1 or axis.outer(size) != 1 or not isinstance(step, int):
         if isinstance(p, Replicate):
             return replicated(ctx, node, args, kwargs)
         return fallback(ctx, node, args, kwargs)
-    new_axis = SeqAxis(dim, end - start)
     if isinstance(p, Replicate):
-        return replicated(ctx, node, args, kwargs, new_axis)
-    ranges = tuple(
-        tuple((min(max(lo, start), end) - start, min(max(hi, start), end) - start) for lo, hi in pieces)
-        for pieces in p.ranges
-    )
+        return replicated(ctx, node, args, kwargs, SeqAxis(dim, end - start) if step == 1 else None)
+    return _slice_pieces(ctx, node, v, dim, start, end, step)
+
+
+def _slice_pieces(
+    ctx: SPContext, node: torch.fx.Node, v: SPValue, dim: int, start: int, end: int, step: int
+) -> SPValue:
+    """``x[start:end:step]`` along the sequence, each rank keeping the kept positions it holds.
+
+    Kept position ``p = start + j * step`` is output position ``j``: a piece ``[lo, hi)`` of the input
+    holds output positions ``[ceil((lo - start) / step), ceil((hi - start) / step))`` (clamped to the
+    slice), so every rank slices its own pieces (with the step, from the first kept position in
+    each) and nothing crosses. ``x[:, ::2]`` of a contiguous layout keeps it contiguous.
+    """
+    p = v.placement
+    assert isinstance(p, Shard)
+
+    def out(q: int) -> int:  # output positions before input position q
+        return -(-(min(max(q, start), end) - start) // step)
+
+    ranges = tuple(tuple((out(lo), out(hi)) for lo, hi in pieces) for pieces in p.ranges)
     parts, offset = [], 0
     for lo, hi in p.ranges[ctx.rank]:
-        a, b = min(max(start, lo), hi), min(max(end, lo), hi)
-        parts.append(v.local.narrow(dim, offset + a - lo, b - a))
+        j0, j1 = out(lo), out(hi)
+        if j1 == j0:
+            parts.append(v.local.narrow(dim, offset, 0))
+        else:
+            first = offset + start + j0 * step - lo  # the piece's first kept position, in the local tensor
+            parts.append(aten.slice(v.local, dim, first, first + (j1 - j0 - 1) * step + 1, step))
         offset += hi - lo
     local = parts[0] if len(parts) == 1 else torch.cat(parts, dim)
-    return SPValue(local, Shard(new_axis, ranges), node.meta["val"])
+    return SPValue(local, Shard(SeqAxis(dim, out(end)), ranges), node.meta["val"])
 
 
 def _clamp_range(start: Any, end: Any, size: int) -> tuple[int, int]:
