@@ -1350,6 +1350,20 @@ for lay in ALL_LAYOUTS:
         shard(1, lay),
         expect=(Shard,),
     )
+for lay in ALL_LAYOUTS:
+    case(aten.repeat.default, f"other-dims-{lay}", args(x3, [2, 1, 3]), shard(1, lay), expect=(Shard,))
+    case(aten.repeat.default, f"new-leading-dim-{lay}", args(x3, [2, 1, 1, 2]), shard(1, lay), expect=(Shard,))
+for lay in ALL_LAYOUTS:
+    case(aten.repeat.default, f"along-seq-{lay}", args(x3, [1, 2, 1]), shard(1, lay), expect=(Shard,))
+case(
+    aten.repeat.default,
+    "along-folded-seq",
+    args(lambda g: randn(g, B * S, D), [3, 2]),
+    shard(0, "zigzag", length=S),
+    expect=(Shard,),
+)
+case(aten.repeat.default, "replicated-seq", args(x3, [3, 1, 1]), rs(1), expect=(Replicate,))
+case(aten.repeat.default, "partial", args(lambda g: randn(g, B, D), [2, 2]), Partial(), expect=(Partial,))
 case(aten.new_ones.default, "partial-operand", args(lambda g: randn(g, B, D), [2, 3]), Partial(), expect=(Replicate,))
 case(aten.slice_scatter.default, "along-seq", args(x3, lambda g: randn(g, B, 4, D), 1, 2, 6), shard(1, "zigzag"), R)
 case(aten.slice_scatter.default, "replicated", args(x3, lambda g: randn(g, B, S, 2), 2, 0, 2), rs(1), rs(1))

@@ -89,6 +89,25 @@ def expand_rule(ctx, node, args, kwargs):
     return SPValue(call(node, args, kwargs), p, node.meta["val"])
 
 
+@rule(aten.repeat.default, accepts=(Partial,))
+def repeat_rule(ctx, node, args, kwargs):
+    """``x.repeat(*counts)``, local: copies along other dims than the sequence (k and v once per query
+    group, two attention maps side by side) are token-wise, and ``c`` copies along the sequence
+    dim make it ``c x`` the sequence (``outer`` grows by ``c``), which every rank's copies of its
+    own pieces lay out exactly."""
+    v, counts = args[0], list(args[1])
+    shift = len(counts) - v.ndim
+    p = v.placement
+    if isinstance(p, Partial):  # copies of a summand sum to copies of the whole value
+        return SPValue(call(node, args, kwargs), p, node.meta["val"])
+    seq = seq_dim(p)
+    if seq is None:
+        return replicated(ctx, node, args, kwargs)
+    out = call(node, args, kwargs)
+    placement = Shard(p.axis.at(seq + shift), p.ranges) if isinstance(p, Shard) else Replicate(p.axis.at(seq + shift))
+    return SPValue(out, placement, node.meta["val"])
+
+
 def _permuted(ctx, node, args, kwargs, new_dim: Callable[[int], int]):
     v = args[0]
     p = v.placement
