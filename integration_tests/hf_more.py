@@ -39,6 +39,8 @@ ARCHITECTURES: dict[str, tuple[str, str, str]] = {
     "BLOOM (ALiBi in baddbmm)": ("bloom", "eager", "lm"),
     "GPT-OSS (attention sinks, MoE)": ("gpt_oss", "eager", "lm"),
     "DeepSeek-V3 (MLA, MoE)": ("deepseek_v3", "sdpa", "lm"),
+    "Llama-4 (text, MoE)": ("llama4_text", "sdpa", "lm"),
+    "MiMo-V2-Flash (sinks, sliding window, MoE)": ("mimo_v2_flash", "eager", "lm"),
     "BioGPT": ("biogpt", "sdpa", "lm"),
     "SmolLM3": ("smollm3", "sdpa", "lm"),
     "GLM": ("glm", "sdpa", "lm"),

@@ -119,12 +119,14 @@ MORE_ROWS: dict[Row, str] = {
         "1 of 1 graphs sharded, 0 attention sites, attention kept as written"
     ),
     Row("DeepSeek-V3 (MLA, MoE)", "ring"): "1 of 1 graphs sharded, 2 attention sites",
+    Row("Llama-4 (text, MoE)", "ulysses"): "1 of 1 graphs sharded, 2 attention sites",
 }
 
 
 # Nothing gathered: Cohere's rotary stacks interleaved pairs (once gathered q and k in every layer);
-# BLOOM's GeLU is a custom autograd.Function, elementwise both ways (once ran whole on every rank).
-TOKEN_WISE = {"Cohere (parallel block)", "BLOOM (ALiBi in baddbmm)"}
+# BLOOM's GeLU is a custom autograd.Function, elementwise both ways (once ran whole on every rank);
+# Llama-4's repeats along other dims than the sequence (once gathered their input whole).
+TOKEN_WISE = {"Cohere (parallel block)", "BLOOM (ALiBi in baddbmm)", "Llama-4 (text, MoE)"}
 
 
 @pytest.mark.parametrize(
