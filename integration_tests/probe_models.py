@@ -385,8 +385,8 @@ class Mixers(LMBase):
             x = x + torch.fft.fft(torch.fft.fft(x, dim=-1), dim=1).real
         elif self.kind == "causal-conv":  # left pad, depthwise conv, crop
             x = x + self.conv(F.pad(x.transpose(1, 2), (3, 0)))[..., :S].transpose(1, 2)
-        elif self.kind == "valid-conv":  # 8 positions shorter, padded back on the left
-            x = x + F.pad(self.valid(x.transpose(1, 2)), (8, 0)).transpose(1, 2)
+        elif self.kind == "valid-conv":  # 8 positions shorter, padded back on both sides
+            x = x + F.pad(self.valid(x.transpose(1, 2)), (4, 4)).transpose(1, 2)
         elif self.kind == "gru":  # Dynamo breaks the graph around it
             x = x + self.rnn(x)[0]
         elif self.kind == "position-loop":

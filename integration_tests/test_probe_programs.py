@@ -211,8 +211,9 @@ def test_strided_slices_stay_sharded(pool: SPMDPool, variant: str) -> None:
 # Ops reading nearby positions (sharding.rules.halo): RWKV's token shift (a negative pad) and a causal
 # depthwise convolution (left pad, conv1d, crop) once gathered their input whole; now each rank
 # computes its own positions, a few neighbouring ones crossing in one small all-gather.
-# mix-valid-conv: under Ulysses at P=2 the conv's output (8 positions) is all rank 0's; rank 1 must
-# still read the weight (once it had no gradient for the all-reduce) and join the halo's reduce-scatter.
+# mix-valid-conv: under Ulysses at P=2 the conv's output (8 positions) was all rank 0's; rank 1 then
+# read no weight (no gradient for the all-reduce) and no halo. Every rank now holds output positions
+# that read the input (the output cut evenly where the input's pieces would not give that).
 HALO = [("rwkv-shift", 16, 2), ("mix-causal-conv", 16, 2), ("mix-valid-conv", 16, 2)]
 
 

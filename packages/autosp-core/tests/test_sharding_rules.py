@@ -667,6 +667,17 @@ for lay in ALL_LAYOUTS:
 case(aten.constant_pad_nd.default, "other-dims-only", args(x3, [1, 2]), shard(1, "zigzag"), expect=(Shard,))
 case(aten.constant_pad_nd.default, "seq-and-other-dims", args(x3, [1, 0, 2, 1], -1.0), shard(1, "uneven"))
 case(aten.constant_pad_nd.default, "replicated-seq", args(x3, [0, 0, 1, -1]), rs(1))
+# Half the output padding: some rank would read only padding however it is cut, so it runs whole.
+case(
+    aten.constant_pad_nd.default, "pad-as-long-as-input", args(x3, [0, 0, S, 0]), shard(1, "even"), expect=(Replicate,)
+)
+case(
+    aten.constant_pad_nd.default,
+    "pad-both-sides",
+    args(x3, [0, 0, S // 2, S // 2]),
+    shard(1, "zigzag"),
+    expect=(Shard,),
+)
 case(aten.constant_pad_nd.default, "replicated", args(lambda g: randn(g, B, D), [1, 1]), R)
 case(
     aten.convolution.default,
@@ -1784,3 +1795,21 @@ def test_ranks_that_issue_different_collectives_are_reported() -> None:
 
     with pytest.raises(SimulationError, match="all_reduce.*\n.*all_gather"):
         simulate(rank_fn, 2, timeout=10)
+
+
+def test_halo_layout_gives_every_rank_an_input_position_to_read_or_runs_whole() -> None:
+    # A rank reading only padding would use the halo's all-gather through an empty slice, which a
+    # compiler may drop (that rank then skips the collective the others wait in).
+    from autosp.sharding.rules.halo import held_layout
+
+    def left_pad(k: int):
+        return lambda layout: tuple(tuple((lo - k, hi - k) for lo, hi in pieces) for pieces in layout)
+
+    ranges = (((0, 4),), ((4, 8),))
+    # A shift by 1: the input's pieces, the last one taking the new position.
+    assert held_layout(ranges, 8, 9, left_pad(1))[0] == (((0, 4),), ((4, 9),))
+    # 4 on each side: rank 0's piece [0, 4) would read padding only; cut evenly, both read the input.
+    layout, reads = held_layout(ranges, 8, 16, left_pad(4))
+    assert layout == (((0, 8),), ((8, 16),)) and reads == (((-4, 4),), ((4, 12),))
+    # 8 on the left of 8 positions: half the output is padding whichever way it is cut.
+    assert held_layout(ranges, 8, 16, left_pad(8)) is None

@@ -12,12 +12,14 @@ halo and of a fill value, concatenated, whose backward puts each position's grad
 came from; the all-gather's backward (a reduce-scatter) returns the halo's gradients to their owners.
 
 The output keeps the input's pieces, cut to the output's length, the piece that ends the input also
-taking the positions past its end (``out_layout``). Strided or transposed convolutions, and a
-sequence folded with other dims, run whole as before.
+taking the positions past its end (``out_layout``), unless that leaves a rank reading no input
+position (``held_layout``: the output is then cut evenly, or runs whole). Strided or transposed
+convolutions, and a sequence folded with other dims, run whole as before.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -44,6 +46,28 @@ def out_layout(ranges: Layout, length_in: IntLike, length_out: IntLike) -> Layou
             mine.append((lo, new_hi))
         layout.append(tuple(mine))
     return tuple(layout)
+
+
+Reads = Callable[[Layout], Layout]  # an output layout -> the input interval each of its pieces reads
+
+
+def held_layout(ranges: Layout, length_in: IntLike, length_out: IntLike, reads: Reads) -> tuple[Layout, Layout] | None:
+    """``(layout, reads(layout))``: ``out_layout``, or ``[0, length_out)`` cut evenly where that leaves
+    a rank reading no input position (all its output in the padding, or none); None when neither
+    gives every rank one (the op then runs whole).
+
+    A rank reading no input position would use the halo's all-gather (and a convolution's weight)
+    only through an empty slice, which a compiler may drop: that rank would then skip the collective,
+    or its backward, that the others wait in. Reading one, it reads them for real
+    (``_route_one_own_position``). Any layout is exact: the reads are planned from it.
+    """
+    world, n = len(ranges), int(length_out)
+    even = tuple(((r * n // world, (r + 1) * n // world),) for r in range(world))
+    for layout in (out_layout(ranges, length_in, length_out), even):
+        wanted = reads(layout)
+        if all(any(min(hi, length_in) > max(lo, 0) for lo, hi in pieces) for pieces in wanted):
+            return layout, wanted
+    return None
 
 
 Segment = tuple[int, int, int, int]  # (rank holding it or -1 for the fill value, global lo, global hi, row of lo there)
@@ -204,8 +228,15 @@ def constant_pad_rule(ctx, node, args, kwargs):
     if not _plain_shard(v):
         return fallback(ctx, node, args, kwargs)
     length = p.axis.length
-    layout = out_layout(p.ranges, length, length + before + after)
-    wanted = tuple(tuple((lo - before, hi - before) for lo, hi in pieces) for pieces in layout)
+    held = held_layout(
+        p.ranges,
+        length,
+        length + before + after,
+        lambda layout: tuple(tuple((lo - before, hi - before) for lo, hi in pieces) for pieces in layout),
+    )
+    if held is None:
+        return fallback(ctx, node, args, kwargs)
+    layout, wanted = held
     windows, buffer = _fetch(ctx, v, wanted, value)
     local = torch.cat(windows, seq) if len(windows) > 1 else windows[0]
     if any(pad[i] for i in range(len(pad)) if i not in (at, at + 1)):
@@ -227,11 +258,18 @@ def convolution_rule(ctx, node, args, kwargs):
     pad, dil, k = padding[0], dilation[0], weight.gval.shape[-1]
     reach = dil * (k - 1)
     length = p.axis.length
-    layout = out_layout(p.ranges, length, length + 2 * pad - reach)
     # An empty output piece reads nothing (its window would be shorter than the kernel).
-    wanted = tuple(
-        tuple((lo - pad, hi - pad + reach) if hi > lo else (lo, lo) for lo, hi in pieces) for pieces in layout
+    held = held_layout(
+        p.ranges,
+        length,
+        length + 2 * pad - reach,
+        lambda layout: tuple(
+            tuple((lo - pad, hi - pad + reach) if hi > lo else (lo, lo) for lo, hi in pieces) for pieces in layout
+        ),
     )
+    if held is None:
+        return fallback(ctx, node, args, kwargs)
+    layout, wanted = held
     windows, buffer = _fetch(ctx, x, wanted, 0)
     outs = []
     for window, (lo, hi) in zip(windows, layout[ctx.rank]):
@@ -248,4 +286,4 @@ def convolution_rule(ctx, node, args, kwargs):
     return SPValue(_tied(local, 2, buffer), Shard(SeqAxis(2, length + 2 * pad - reach), layout), node.meta["val"])
 
 
-__all__ = ["constant_pad_rule", "convolution_rule", "out_layout"]
+__all__ = ["constant_pad_rule", "convolution_rule", "held_layout", "out_layout"]
