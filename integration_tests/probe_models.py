@@ -137,6 +137,24 @@ class StridedTokens(LMBase):
         return self.lm_loss(x, ids) + x[:, 1::3].pow(2).mean()
 
 
+class TokenWrites(LMBase):
+    """Writes and copies along other dims than the sequence: q filled into a ``new_empty`` by halves (as
+    DeepSeek's MLA joins its rotary and plain halves), k and v of half the heads ``repeat``ed, and a
+    ``scatter`` of ones over the features each token picks."""
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        B, S, _ = x.shape
+        q, k, v = self.attn.heads(self.ln(x))
+        full = q.new_empty(B, HEADS, S, HD)
+        full[..., : HD // 2] = q[..., : HD // 2]
+        full[..., HD // 2 :] = k[..., HD // 2 :] * 0.5
+        k, v = k[:, : HEADS // 2].repeat(1, 2, 1, 1), v[:, : HEADS // 2].repeat(1, 2, 1, 1)
+        a = F.scaled_dot_product_attention(full, k, v, is_causal=True).transpose(1, 2).reshape(B, S, DIM)
+        picked = torch.zeros(B, S, DIM).scatter(2, (ids % DIM).unsqueeze(-1), 1.0)
+        return self.lm_loss(x + self.attn.out(a) * (1 + picked), ids)
+
+
 class AttentionSinks(LMBase):
     """GPT-OSS's eager attention, the model's only attention: a learned logit per head joins the keys
     in the softmax (the row's max subtracted first) and is dropped after it."""
@@ -529,6 +547,7 @@ BUILDERS: dict[str, Callable[[int], nn.Module]] = {
     "einsum-attention": lambda s: EinsumAttention(),
     "attention-sinks": lambda s: AttentionSinks(),
     "strided-tokens": lambda s: StridedTokens(),
+    "token-writes": lambda s: TokenWrites(),
     "t5-bias": lambda s: T5Bias(),
     "alibi": lambda s: Alibi(),
     "opt-positions": lambda s: OptPositions(),
@@ -606,6 +625,7 @@ def inputs(name: str, seq: int = 16, batch: int = 2) -> tuple[torch.Tensor, ...]
         "einsum-attention",
         "attention-sinks",
         "strided-tokens",
+        "token-writes",
         "rwkv-shift",
         "linear-scan",
         "multi-output",

@@ -192,8 +192,9 @@ def test_attention_sinks_are_found_and_kept_as_written(pool: SPMDPool, variant: 
 
 
 # Strided slices along the sequence (x[:, ::2], x[:, 1::3]): each rank keeps the kept positions it
-# holds, nothing crossing (once gathered whole). Ring's zigzag pieces make the uneven case.
-STRIDED = [("strided-tokens", 24, 2)]
+# holds, nothing crossing (once gathered whole). Ring's zigzag pieces make the uneven case. Writes
+# and copies along other dims (new_empty filled by halves, repeat, scatter): once gathered whole.
+STRIDED = [("strided-tokens", 24, 2), ("token-writes", 24, 2)]
 
 
 @pytest.mark.parametrize(
@@ -206,6 +207,13 @@ STRIDED = [("strided-tokens", 24, 2)]
 def test_strided_slices_stay_sharded(pool: SPMDPool, variant: str) -> None:
     for where, r in _exact(pool.run(run_probes, STRIDED, variant, timeout_s=600), STRIDED, variant):
         assert r["sharded"] == [24] and not r["fallbacks"], f"{where}: {r['sharded']} {r['fallbacks']}"
+
+
+@pytest.mark.extended(covered_by="test_strided_slices_stay_sharded")
+def test_new_token_wise_rules_and_sinks_under_inductor_on_four_ranks() -> None:
+    probes = [*STRIDED, *SINKS]
+    for where, r in _exact(run_spmd(run_probes, 4, probes, "ring", "inductor"), probes, "ring inductor P=4"):
+        assert r["sharded"] and not r["fallbacks"], f"{where}: {r['sharded']} {r['fallbacks']}"
 
 
 # Ops reading nearby positions (sharding.rules.halo): RWKV's token shift (a negative pad) and a causal
