@@ -1305,6 +1305,15 @@ case(
 )
 case(aten.gather.default, "replicated", args(x3, 2, lambda g: ints(g, D, B, S, 1)), rs(1), R)
 
+
+def _ix(k: int) -> Callable[[torch.Generator], torch.Tensor]:
+    return lambda g: ints(g, D, B, S, k)  # k feature indices per token
+
+
+def _src(k: int) -> Callable[[torch.Generator], torch.Tensor]:
+    return lambda g: randn(g, B, S, k)
+
+
 # Fresh tensors (only the operand's dtype and device read) and writes along dims other than the sequence:
 # DeepSeek's MLA fills a new_empty with q's halves (slice_scatter); its router scatters over expert groups.
 for lay in ALL_LAYOUTS:
@@ -1326,45 +1335,18 @@ for lay in ALL_LAYOUTS:
             *placements,
             expect=(Shard,),
         )
-    case(
-        aten.scatter.src,
-        f"features-{lay}",
-        args(x3, 2, lambda g: ints(g, D, B, S, 2), lambda g: randn(g, B, S, 2)),
-        shard(1, lay),
-        rs(1),
-        shard(1, lay),
-        expect=(Shard,),
-    )
-    case(
-        aten.scatter.value,
-        f"features-{lay}",
-        args(x3, -1, lambda g: ints(g, D, B, S, 2), 1.5),
-        R,
-        shard(1, lay),
-        expect=(Shard,),
-    )
-    case(
-        aten.scatter_add.default,
-        f"features-{lay}",
-        args(x3, 2, lambda g: ints(g, D, B, S, 3), lambda g: randn(g, B, S, 3)),
-        shard(1, lay),
-        shard(1, lay),
-        R,
-        expect=(Shard,),
-    )
-    case(
-        aten.scatter_reduce.two,
-        f"features-amax-{lay}",
-        args(x3, 2, lambda g: ints(g, D, B, S, 3), lambda g: randn(g, B, S, 3), "amax", include_self=False),
-        shard(1, lay),
-        shard(1, lay),
-        shard(1, lay),
-        expect=(Shard,),
-    )
+    # op, name, (dim, index, src or value), placements of (x, index[, src])
+    for op, name, rest, placements in (
+        (aten.scatter.src, "features", (2, _ix(2), _src(2)), (shard(1, lay), rs(1), shard(1, lay))),
+        (aten.scatter.value, "features", (-1, _ix(2), 1.5), (R, shard(1, lay))),
+        (aten.scatter_add.default, "features", (2, _ix(3), _src(3)), (shard(1, lay), shard(1, lay), R)),
+        (aten.scatter_reduce.two, "features-amax", (2, _ix(3), _src(3), "amax"), (shard(1, lay),) * 3),
+    ):
+        kw = {"include_self": False} if op is aten.scatter_reduce.two else {}
+        case(op, f"{name}-{lay}", args(x3, *rest, **kw), *placements, expect=(Shard,))
 for lay in ALL_LAYOUTS:
     case(aten.repeat.default, f"other-dims-{lay}", args(x3, [2, 1, 3]), shard(1, lay), expect=(Shard,))
     case(aten.repeat.default, f"new-leading-dim-{lay}", args(x3, [2, 1, 1, 2]), shard(1, lay), expect=(Shard,))
-for lay in ALL_LAYOUTS:
     case(aten.repeat.default, f"along-seq-{lay}", args(x3, [1, 2, 1]), shard(1, lay), expect=(Shard,))
 case(
     aten.repeat.default,

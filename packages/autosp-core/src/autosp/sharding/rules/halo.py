@@ -159,17 +159,16 @@ def _fetch(ctx: SPContext, v: SPValue, wanted: Layout, fill: Any) -> tuple[list[
     return [_assemble(ctx, local, dim, segs, fill, buffer, at) for segs in plans[ctx.rank]], buffer
 
 
-def _tied(out: torch.Tensor, dim: int, *reads: torch.Tensor | None) -> torch.Tensor:
-    """``out`` made to read each of ``reads`` through an empty slice (no value changes).
-
-    For a rank that holds no output position and so reads none of the halo buffer, or none of a
-    convolution's weight: its backward still runs the reduce-scatter the others wait in, and still
-    gives the weight a (zero) gradient for the gradient all-reduce. (A compiler may drop such a read;
-    the ranks' collectives are compared after compiling, and a mismatch is refused, never run.)"""
+def _tied(out: torch.Tensor, buffer: torch.Tensor | None, dim: int) -> torch.Tensor:
+    """``out`` made to read ``buffer`` through an empty slice (no value changes). Every rank reads the
+    buffer for real (``held_layout``); this keeps the dependency where the op's value does not need
+    it. (A compiler may drop such a read; the ranks' collectives are compared after compiling, and a
+    mismatch is refused, never run.)"""
+    if buffer is None:
+        return out
     shape = list(out.shape)
     shape[dim] = 0
-    empty = [r.reshape(-1)[:0].reshape(shape).to(out.dtype) for r in reads if r is not None]
-    return torch.cat([out, *empty], dim) if empty else out
+    return torch.cat([out, buffer.reshape(-1)[:0].reshape(shape).to(out.dtype)], dim)
 
 
 def _assemble(
@@ -243,7 +242,7 @@ def constant_pad_rule(ctx, node, args, kwargs):
         rest = list(pad)
         rest[at] = rest[at + 1] = 0
         local = aten.constant_pad_nd(local, rest, value)
-    return SPValue(_tied(local, seq, buffer), Shard(SeqAxis(seq, length + before + after), layout), node.meta["val"])
+    return SPValue(_tied(local, buffer, seq), Shard(SeqAxis(seq, length + before + after), layout), node.meta["val"])
 
 
 @rule(aten.convolution.default)
@@ -273,9 +272,8 @@ def convolution_rule(ctx, node, args, kwargs):
     windows, buffer = _fetch(ctx, x, wanted, 0)
     outs = []
     for window, (lo, hi) in zip(windows, layout[ctx.rank]):
-        if hi == lo:  # nothing to compute (the window is shorter than the kernel), but every operand read
-            empty = window.new_zeros((window.shape[0], weight.gval.shape[0], 0))
-            outs.append(_tied(empty, 2, window, weight.local, bias.local if bias is not None else None))
+        if hi == lo:  # nothing to compute; another piece of this rank reads the weights (held_layout)
+            outs.append(window.new_zeros((window.shape[0], weight.gval.shape[0], 0)))
             continue
         outs.append(
             aten.convolution(
@@ -283,7 +281,7 @@ def convolution_rule(ctx, node, args, kwargs):
             )
         )
     local = torch.cat(outs, 2) if len(outs) > 1 else outs[0]
-    return SPValue(_tied(local, 2, buffer), Shard(SeqAxis(2, length + 2 * pad - reach), layout), node.meta["val"])
+    return SPValue(_tied(local, buffer, 2), Shard(SeqAxis(2, length + 2 * pad - reach), layout), node.meta["val"])
 
 
 __all__ = ["constant_pad_rule", "convolution_rule", "held_layout", "out_layout"]
