@@ -637,6 +637,8 @@ def inputs(name: str, seq: int = 16, batch: int = 2) -> tuple[torch.Tensor, ...]
         "custom-function",
         "custom-function-disabled",
         "eager-layer",
+        "buffer-moved",
+        "buffer-returned",
         "chunk-local",
         "chunk-local-mask",
         "embedding-freq-scaled",
@@ -1151,6 +1153,33 @@ class EagerLayer(LMBase):
 
 
 BUILDERS["eager-layer"] = lambda s: EagerLayer()
+
+
+class BufferMoved(LMBase):
+    """A position table kept as an ``nn.Buffer`` and moved to the activations' dtype in every forward (HF CTRL).
+
+    ``reassign``: ``self.pe = self.pe.to(...)``, where Dynamo breaks the graph inside
+    ``Module.__setattr__``; the code after the break reads ``value.persistent``, which only the
+    buffer itself has. Else the moved table is returned beside the loss, as the model's own tensor.
+    """
+
+    def __init__(self, seq: int, reassign: bool) -> None:
+        super().__init__()
+        self.reassign = reassign
+        self.pe = nn.Buffer(0.1 * torch.randn(2 * seq, DIM), persistent=False)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        pe = self.pe.to(device=x.device, dtype=x.dtype)
+        if self.reassign:
+            self.pe = pe
+        x = x + pe[: ids.shape[1]]
+        loss = self.lm_loss(x + self.attn(self.ln(x)), ids)
+        return loss if self.reassign else (loss, pe)
+
+
+BUILDERS["buffer-moved"] = lambda s: BufferMoved(s, reassign=True)
+BUILDERS["buffer-returned"] = lambda s: BufferMoved(s, reassign=False)
 
 
 class _ClipGrad(torch.autograd.Function):

@@ -29,10 +29,19 @@ def step(model: Any, args: tuple) -> dict[str, Any]:
     # The same generator state for the reference and the SP run: programs that draw dropout
     # masks must draw the same ones (the ranks are seeded alike too).
     torch.manual_seed(11)
+    params = model._orig_mod if hasattr(model, "_orig_mod") else model
+    before = dict(params.named_buffers())
     loss, outs = _scalar(model(*args))
     loss.backward()
-    params = model._orig_mod if hasattr(model, "_orig_mod") else model
+    after = dict(params.named_buffers())
+    state = {id(t): n for n, t in [*params.named_parameters(), *after.items()]}
     return {
+        # Which buffers are still the same objects, and which outputs are the model's own tensors:
+        # what code after the call (or after a graph break) can tell apart, as `value.persistent` does.
+        "identity": {
+            "kept": sorted(n for n, b in before.items() if after.get(n) is b),
+            "outputs": [state.get(id(o)) for o in outs],
+        },
         "outs": [o.detach().clone() for o in outs],
         "grads": {n: p.grad.clone() for n, p in params.named_parameters() if p.grad is not None},
         "buffers": {n: b.detach().clone() for n, b in params.named_buffers()},
@@ -42,6 +51,10 @@ def step(model: Any, args: tuple) -> dict[str, Any]:
 def differences(got: dict[str, Any], ref: dict[str, Any]) -> list[str]:
     """What differs, with a tolerance relative to the largest reference value of each kind."""
     problems = []
+    if got.get("identity") != ref.get("identity"):
+        problems.append(
+            f"buffers kept and outputs that are the model's tensors: {got.get('identity')} vs {ref.get('identity')}"
+        )
     pairs = [(f"output {i}", g, r) for i, (g, r) in enumerate(zip(got["outs"], ref["outs"]))]
     if got["grads"].keys() != ref["grads"].keys():
         problems.append(f"gradients of {sorted(got['grads'])} vs {sorted(ref['grads'])}")

@@ -278,6 +278,27 @@ def test_torch_encoder_on_four_ranks_under_inductor() -> None:
         assert r["sharded"] == [None, 16] and not r["ran_in_eager"], f"{where}: {r}"
 
 
+# A buffer moved to the activations' dtype in every forward: returned as the very buffer (once a
+# copy made to scale a gradient no input has; HF CTRL then failed after the break in __setattr__
+# with "'Tensor' object has no attribute 'persistent'"). `step` compares which buffers are still
+# the same objects and which outputs are the model's own tensors with eager's.
+BUFFERS = [("buffer-moved", 16, 2), ("buffer-returned", 16, 2)]
+
+
+@pytest.mark.parametrize("variant", ["ulysses", "ring"])
+def test_buffers_moved_in_forward_stay_the_buffers(pool: SPMDPool, variant: str) -> None:
+    per_rank = pool.run(run_probes, BUFFERS, variant, "aot_eager", {"fullgraph": False}, timeout_s=600)
+    for where, r in _exact(per_rank, BUFFERS, variant):
+        assert 16 in r["sharded"] and not r["fallbacks"], f"{where}: {r}"
+
+
+@pytest.mark.extended(covered_by="test_buffers_moved_in_forward_stay_the_buffers")
+def test_buffers_moved_in_forward_on_four_ranks_under_inductor() -> None:
+    per_rank = run_spmd(run_probes, 4, BUFFERS, "hybrid", "inductor", {"fullgraph": False})
+    for where, r in _exact(per_rank, BUFFERS, "hybrid inductor P=4"):
+        assert 16 in r["sharded"] and not r["fallbacks"], f"{where}: {r}"
+
+
 # Tokens routed, sorted, resampled or counted over the whole sequence (the seventh round).
 ROUTED = [f"route-{k}" for k in ROUTES]
 

@@ -63,3 +63,27 @@ def test_rules_come_from_the_context_table():
     for out in simulate(on_rank, 2):
         assert isinstance(out.placement, Replicate)
         torch.testing.assert_close(out.local, torch.full((2, 3), 3.0).exp())
+
+
+def test_a_whole_output_no_gradient_reaches_is_returned_as_computed():
+    # A float output gets a backward that scales its gradient by 1/P (each rank holds the whole
+    # value); one without any gradient is the very tensor, so an input returned is that object.
+    from autosp.sharding.propagate import _may_need_grad, finish
+
+    g = torch.fx.Graph()
+    a, b = g.placeholder("a"), g.placeholder("b")
+    c = g.call_function(aten.mul.Tensor, (b, 2.0))
+    d = g.call_function(aten.add.Tensor, (a, c))
+    g.output((b, c, d))
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    reach = _may_need_grad(gm, [a, b], [torch.ones(2, requires_grad=True), torch.ones(2)])
+    assert reach == {a, d}
+
+    ctx = SPContext(rank=0, world=2, group_name="unused", seq_len=8, attention_rule=None)
+    x = torch.ones(2, 3)
+    assert finish(ctx, SPValue(x, Replicate(), x), may_need_grad=False) is x
+    w = torch.ones(2, 3, requires_grad=True)
+    scaled = finish(ctx, SPValue(w, Replicate(), w))
+    assert scaled is not w
+    scaled.sum().backward()
+    torch.testing.assert_close(w.grad, torch.full((2, 3), 0.5))

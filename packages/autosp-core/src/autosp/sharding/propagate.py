@@ -175,8 +175,14 @@ def evaluate(ctx: SPContext, node: torch.fx.Node, args: tuple, kwargs: dict) -> 
     return fallback(ctx, node, args, kwargs)
 
 
-def finish(ctx: SPContext, v: Any) -> Any:
-    """Whole outputs on every rank, with backward formulas for a gradient that arrives whole."""
+def finish(ctx: SPContext, v: Any, may_need_grad: bool = True) -> Any:
+    """Whole outputs on every rank, with backward formulas for a gradient that arrives whole.
+
+    ``may_need_grad=False``: no input the output depends on requires grad, so a whole output is
+    returned as the very tensor the graph computed (an input returned as it is stays that object,
+    as in eager: ``self.pe = self.pe.to(x.dtype)`` keeps a ``nn.Buffer`` a buffer across a graph
+    break) instead of a copy made to scale a gradient that never comes.
+    """
     if not isinstance(v, SPValue):
         ctx.output_shards.append(None)
         return v
@@ -194,7 +200,7 @@ def finish(ctx: SPContext, v: Any) -> Any:
         + (" -> gathered whole" if not isinstance(v.placement, Replicate) else "")
     )
     if isinstance(v.placement, Replicate):
-        if v.local.is_floating_point() or v.local.is_complex():
+        if may_need_grad and (v.local.is_floating_point() or v.local.is_complex()):
             # Gradients of replicated values are kept partial: each rank takes 1/P of the incoming one.
             return C.scale_grad(v.local, 1.0 / ctx.world)
         return v.local
@@ -211,6 +217,7 @@ def shard_graph(
     """The graph this rank runs; ``gm`` is the lowered, functional aten graph."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    grad_reach = _may_need_grad(gm, placeholders, fake_inputs)
 
     def run(*inputs: Any) -> Any:
         ctx.outputs.clear()
@@ -227,8 +234,14 @@ def shard_graph(
                 else:
                     env[node] = evaluate(ctx, node, args, kwargs)
             elif node.op == "output":
-                outs = torch.fx.node.map_arg(node.args[0], lambda n: env[n])
-                return pytree.tree_map(lambda v: finish(ctx, v), outs, is_leaf=lambda x: isinstance(x, SPValue))
+
+                def done(n: torch.fx.Node) -> Any:
+                    grad = n in grad_reach
+                    return pytree.tree_map(
+                        lambda v: finish(ctx, v, grad), env[n], is_leaf=lambda x: isinstance(x, SPValue)
+                    )
+
+                return torch.fx.node.map_arg(node.args[0], done)
             elif node.op == "get_attr":
                 value = getattr(gm, node.target)
                 is_tensor = isinstance(value, torch.Tensor)
@@ -243,6 +256,19 @@ def shard_graph(
         traced = make_fx(run, pre_dispatch=False)(*fake_inputs)
     refuse_traced_global_values(traced, constants(gm))
     return traced
+
+
+def _may_need_grad(gm: torch.fx.GraphModule, placeholders: list[torch.fx.Node], inputs: Sequence[Any]) -> set:
+    """The nodes that depend on an input or constant that requires grad: a superset of those with a gradient."""
+    reach = {n for n, x in zip(placeholders, inputs) if isinstance(x, torch.Tensor) and x.requires_grad}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            value = getattr(gm, node.target)
+            if isinstance(value, torch.Tensor) and value.requires_grad:
+                reach.add(node)
+        elif node.op == "call_function" and any(a in reach for a in node.all_input_nodes):
+            reach.add(node)
+    return reach
 
 
 def refuse_traced_global_values(traced: torch.fx.GraphModule, known: Sequence[Any] = ()) -> None:
