@@ -41,6 +41,7 @@ ARCHITECTURES: dict[str, tuple[str, str, str]] = {
     "DeepSeek-V3 (MLA, MoE)": ("deepseek_v3", "sdpa", "lm"),
     "Llama-4 (text, MoE)": ("llama4_text", "sdpa", "lm"),
     "MiMo-V2-Flash (sinks, sliding window, MoE)": ("mimo_v2_flash", "eager", "lm"),
+    "Jamba (Mamba scan + attention, MoE)": ("jamba", "sdpa", "lm"),
     "BioGPT": ("biogpt", "sdpa", "lm"),
     "SmolLM3": ("smollm3", "sdpa", "lm"),
     "GLM": ("glm", "sdpa", "lm"),
@@ -104,6 +105,9 @@ def config(model_type: str, attention: str) -> Any:
         cfg.update(dict(q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=head // 2, qk_nope_head_dim=head // 2))
         cfg.update(dict(v_head_dim=head, qk_head_dim=head, head_dim=head // 2, moe_intermediate_size=16))
         cfg.update(dict(n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1))
+    if model_type == "jamba":  # a Mamba layer (associative_scan under torch.compile: vmap), then attention
+        cfg.update(dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1))
+        cfg.update(dict(mamba_d_state=4, mamba_dt_rank=4))
     if model_type == "gpt_neo":  # one global and one local layer, the local window cutting the sequence
         cfg.attention_types = [[["global", "local"], 1]]
         cfg.attention_layers = ["global", "local"]

@@ -639,6 +639,9 @@ def inputs(name: str, seq: int = 16, batch: int = 2) -> tuple[torch.Tensor, ...]
         "eager-layer",
         "buffer-moved",
         "buffer-returned",
+        "vmap-tokens",
+        "vmap-batch",
+        "vmap-associative-scan",
         "chunk-local",
         "chunk-local-mask",
         "embedding-freq-scaled",
@@ -1180,6 +1183,42 @@ class BufferMoved(LMBase):
 
 BUILDERS["buffer-moved"] = lambda s: BufferMoved(s, reassign=True)
 BUILDERS["buffer-returned"] = lambda s: BufferMoved(s, reassign=False)
+
+
+class VmapInside(LMBase):
+    """``torch.func.vmap`` inside the program: over positions, over the batch, and ``associative_scan``'s
+    generic path (a gated linear recurrence along the sequence; HF Mamba's scan under ``torch.compile``)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.up, self.down, self.gate = nn.Linear(DIM, 2 * DIM), nn.Linear(2 * DIM, DIM), nn.Linear(DIM, DIM)
+
+    def mlp(self, t: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(t)))
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        x = x + self.attn(self.ln(x))
+        if self.kind == "tokens":
+            x = x + torch.vmap(self.mlp, in_dims=1, out_dims=1)(x)
+        elif self.kind == "batch":  # each sequence's own mean, per example
+            x = x + torch.vmap(lambda t: self.mlp(t) * t.mean(0, keepdim=True))(x)
+        else:
+            from torch._higher_order_ops.associative_scan import associative_scan
+
+            a = torch.sigmoid(self.gate(x))
+
+            def combine(left, right):
+                return left[0] * right[0], right[0] * left[1] + right[1]
+
+            _, h = associative_scan(combine, (a, x * (1 - a)), dim=1, combine_mode="generic")
+            x = x + h
+        return self.lm_loss(x, ids)
+
+
+for _kind in ("tokens", "batch", "associative-scan"):
+    BUILDERS[f"vmap-{_kind}"] = lambda s, k=_kind: VmapInside(k)
 
 
 class _ClipGrad(torch.autograd.Function):

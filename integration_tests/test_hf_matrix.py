@@ -120,6 +120,8 @@ MORE_ROWS: dict[Row, str] = {
     ),
     Row("DeepSeek-V3 (MLA, MoE)", "ring"): "1 of 1 graphs sharded, 2 attention sites",
     Row("Llama-4 (text, MoE)", "ulysses"): "1 of 1 graphs sharded, 2 attention sites",
+    # Its Mamba scan is torch.func.vmap under torch.compile (once refused): lowered, the scan run whole.
+    Row("Jamba (Mamba scan + attention, MoE)", "ring"): "1 of 1 graphs sharded, 1 attention sites",
 }
 
 

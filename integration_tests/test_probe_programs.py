@@ -299,6 +299,26 @@ def test_buffers_moved_in_forward_on_four_ranks_under_inductor() -> None:
         assert 16 in r["sharded"] and not r["fallbacks"], f"{where}: {r}"
 
 
+# torch.func.vmap in the graph (once refused: functorch's functionalize cannot trace it; HF Mamba,
+# FalconMamba and Jamba run their scan through associative_scan's vmap under torch.compile).
+VMAP = [("vmap-tokens", 16, 2), ("vmap-batch", 16, 2), ("vmap-associative-scan", 16, 2)]
+
+
+def test_vmap_and_associative_scan_in_the_program(pool: SPMDPool) -> None:
+    per_rank = pool.run(run_probes, VMAP, "ulysses", "aot_eager", timeout_s=600)
+    for where, r in _exact(per_rank, VMAP, "ulysses"):
+        assert r["sharded"] == [16], f"{where}: {r}"
+        if "associative" not in where:  # vmap over positions or the batch: nothing gathered
+            assert not r["fallbacks"], f"{where}: {r['fallbacks']}"
+
+
+@pytest.mark.extended(covered_by="test_vmap_and_associative_scan_in_the_program")
+def test_vmap_and_associative_scan_on_four_ranks_under_inductor() -> None:
+    per_rank = run_spmd(run_probes, 4, VMAP, "ring", "inductor")
+    for where, r in _exact(per_rank, VMAP, "ring inductor P=4"):
+        assert r["sharded"] == [16], f"{where}: {r}"
+
+
 # Tokens routed, sorted, resampled or counted over the whole sequence (the seventh round).
 ROUTED = [f"route-{k}" for k in ROUTES]
 

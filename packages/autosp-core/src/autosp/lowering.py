@@ -139,7 +139,14 @@ class _GradModeInterpreter(torch.fx.Interpreter):
 
 
 def lower_to_aten(gm: torch.fx.GraphModule, fake_inputs: Sequence[Any], fake_mode: Any) -> torch.fx.GraphModule:
-    """Trace ``gm`` into functional aten ops on fake inputs (meta ``val`` on every node)."""
+    """Trace ``gm`` into functional aten ops on fake inputs (meta ``val`` on every node).
+
+    A graph holding ``torch.func.vmap`` (Dynamo inlines it as level increments and batched
+    calls; ``associative_scan``'s generic path, HF Mamba's scan) is traced twice: functorch's
+    ``functionalize`` cannot interpret those level calls inside its own level (an internal
+    assert), so the first trace runs the vmaps into plain aten ops and the second functionalizes
+    that graph, node by node so each keeps its source line.
+    """
     from torch._dispatch.python import enable_python_dispatcher
     from torch.func import functionalize
     from torch.fx import traceback as fx_traceback
@@ -148,7 +155,22 @@ def lower_to_aten(gm: torch.fx.GraphModule, fake_inputs: Sequence[Any], fake_mod
         return _GradModeInterpreter(gm).run(*args)
 
     with fake_mode, enable_python_dispatcher(), fx_traceback.preserve_node_meta():
+        if _has_vmap(gm):
+            unbatched = make_fx(run, pre_dispatch=False)(*fake_inputs)
+            return make_fx(functionalize(torch.fx.Interpreter(unbatched).run, remove="mutations"), pre_dispatch=False)(
+                *fake_inputs
+            )
         return make_fx(functionalize(run, remove="mutations"), pre_dispatch=False)(*fake_inputs)
+
+
+def _has_vmap(gm: torch.fx.GraphModule) -> bool:
+    """Whether Dynamo put a ``torch.func.vmap`` into ``gm`` or one of its subgraphs."""
+    return any(
+        node.op == "call_function" and getattr(node.target, "__name__", "") == "_vmap_increment_nesting"
+        for module in gm.modules()
+        if isinstance(module, torch.fx.GraphModule)
+        for node in module.graph.nodes
+    )
 
 
 def _kernel_signatures() -> dict[Any, tuple[str | None, ...]]:

@@ -155,12 +155,19 @@ _VMAP_ADVICE = (
 )
 
 
-def _unsupported(node: torch.fx.Node) -> tuple[str, str] | None:
-    """What AutoSP cannot lower under SP and what to do instead, named for the user, or None."""
+def _unsupported(node: torch.fx.Node, flex_in_graph: bool) -> tuple[str, str] | None:
+    """What AutoSP cannot lower under SP and what to do instead, named for the user, or None.
+
+    A ``torch.func.vmap`` is lowered in two steps (``autosp.lowering``), which FlexAttention's
+    higher-order op does not survive: a vmap is refused where it builds Flex's block mask or shares
+    its graph with a Flex call.
+    """
     if getattr(node.target, "__name__", "") == "_vmap_increment_nesting":
-        # Flex's own advice only where the vmap came from Flex: other vmaps (a Mamba scan) have nothing to do with masks.
-        flex = "flex_attention" in (node.meta.get("stack_trace") or "")
-        return "torch.func.vmap", _FLEX_VMAP_ADVICE if flex else _VMAP_ADVICE
+        if "flex_attention" in (node.meta.get("stack_trace") or ""):
+            return "torch.func.vmap", _FLEX_VMAP_ADVICE
+        if flex_in_graph:
+            return "torch.func.vmap in a graph that also calls flex_attention", _VMAP_ADVICE
+        return None
     if node.target is torch.nn.functional.embedding:
         return _unsupported_embedding(dict(zip(_EMBEDDING_ARGS, node.args)) | dict(node.kwargs))
     return None
@@ -187,11 +194,11 @@ def _unsupported_embedding(bound: dict) -> tuple[str, str] | None:
 
 def _refuse_unsupported(gm: torch.fx.GraphModule) -> None:
     """Refuse, before any lowering or collective, what the SP rewrite cannot trace."""
-    for module in gm.modules():
-        if not isinstance(module, torch.fx.GraphModule):
-            continue
+    graphs = [m for m in gm.modules() if isinstance(m, torch.fx.GraphModule)]
+    flex = any(n.op == "call_function" and n.target in FLEX.targets for g in graphs for n in g.graph.nodes)
+    for module in graphs:
         for node in module.graph.nodes:
-            found = _unsupported(node) if node.op == "call_function" else None
+            found = _unsupported(node, flex) if node.op == "call_function" else None
             if found is None:
                 continue
             what, advice = found
