@@ -1280,10 +1280,36 @@ for lay in ("even", "zigzag"):
     case(aten.index.Tensor, f"seq-{lay}", args(x3, [None, lit(torch.tensor([S - 1, 2]))]), shard(1, lay), R)
     case(aten.diagonal.default, f"[S,S]-rows-{lay}", args(sq), shard(0, lay))
     case(aten.argmax.default, f"over-seq-{lay}", args(x3, 1), shard(1, lay))
-    case(aten.flip.default, f"seq-{lay}", args(x3, [1]), shard(1, lay))
-    case(aten.roll.default, f"seq-{lay}", args(x3, [1], [1]), shard(1, lay))
+    # Positions moved along the sequence, values kept where they are (rules/reorder.py).
+    case(aten.flip.default, f"seq-{lay}", args(x3, [1]), shard(1, lay), expect=(Shard,))
+    case(aten.flip.default, f"seq-and-features-{lay}", args(x3, [2, 0, 1]), shard(1, lay), expect=(Shard,))
+    case(aten.roll.default, f"seq-{lay}", args(x3, [1], [1]), shard(1, lay), expect=(Shard,))
+    case(aten.roll.default, f"seq-back-{lay}", args(x3, [-5], [-2]), shard(1, lay), expect=(Shard,))
+    case(aten.roll.default, f"seq-past-length-{lay}", args(x3, [S + 7, 1], [1, 2]), shard(1, lay), expect=(Shard,))
+    case(aten.roll.default, f"seq-twice-{lay}", args(x3, [3, S - 3], [1, 1]), shard(1, lay), expect=(Shard,))
+    case(aten.roll.default, f"features-{lay}", args(x3, [1], [2]), shard(1, lay), expect=(Shard,))
     case(aten.var.correction, f"over-seq-{lay}", args(x3, [1]), shard(1, lay))
     case(aten.cumsum.default, f"partial-{lay}", args(lambda g: randn(g, B, 3), 1), Partial())
+case(
+    aten.flip.default,
+    "folded-[B*S,D]",
+    args(lambda g: randn(g, B * S, D), [0]),
+    shard(0, "zigzag", length=S),
+    expect=(Shard,),
+)
+case(aten.flip.default, "features", args(x3, [2]), shard(1, "uneven"), expect=(Shard,))
+case(aten.flip.default, "replicated-seq", args(x3, [1]), rs(1), expect=(Replicate,))
+case(aten.flip.default, "partial", args(lambda g: randn(g, B, D), [1]), Partial(), expect=(Partial,))
+case(
+    aten.roll.default,
+    "folded-[B*S,D]-gathered",
+    args(lambda g: randn(g, B * S, D), [3], [0]),
+    shard(0, length=S),
+    expect=(Replicate,),
+)
+case(aten.roll.default, "flattened-gathered", args(x3, [5]), shard(1, "zigzag"), expect=(Replicate,))
+case(aten.roll.default, "replicated-seq", args(x3, [2], [1]), rs(1), expect=(Replicate,))
+case(aten.roll.default, "partial", args(lambda g: randn(g, B, D), [1], [1]), Partial(), expect=(Partial,))
 case(aten.cumsum.default, "over-D", args(x3, 2), shard(1, "uneven"))
 case(aten.amax.default, "partial", args(lambda g: randn(g, B, D), [1]), Partial())
 case(

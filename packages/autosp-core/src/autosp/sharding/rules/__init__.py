@@ -13,6 +13,7 @@ from autosp.sharding.rules import (  # noqa: F401 - register rules
     halo,
     position,
     reduction,
+    reorder,
     shape,
     user_function,
 )
