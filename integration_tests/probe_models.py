@@ -642,6 +642,7 @@ def inputs(name: str, seq: int = 16, batch: int = 2) -> tuple[torch.Tensor, ...]
         "vmap-tokens",
         "vmap-batch",
         "vmap-associative-scan",
+        "expert-loop",
         "chunk-local",
         "chunk-local-mask",
         "embedding-freq-scaled",
@@ -1219,6 +1220,33 @@ class VmapInside(LMBase):
 
 for _kind in ("tokens", "batch", "associative-scan"):
     BUILDERS[f"vmap-{_kind}"] = lambda s, k=_kind: VmapInside(k)
+
+
+class ExpertLoop(LMBase):
+    """Experts over tokens as HF's DBRX writes them: a ``zeros_like`` of the folded ``[B * S, D]`` tokens,
+    then a loop over the experts hit (a graph break) that ``index_add_``s each expert's tokens into it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(DIM, 3)
+        self.experts = nn.ModuleList(nn.Linear(DIM, DIM) for _ in range(3))
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        x = x + self.attn(self.ln(x))
+        B, S, _ = x.shape
+        h = x.reshape(-1, DIM)
+        out = torch.zeros_like(h)
+        top = self.router(h).argmax(-1)
+        with torch.no_grad():
+            hit = torch.bincount(top, minlength=3).nonzero()
+        for e in hit:
+            (tokens,) = torch.where(top == e[0])
+            out.index_add_(0, tokens, self.experts[int(e[0])](h[tokens]))
+        return self.lm_loss(x + out.view(B, S, DIM), ids)
+
+
+BUILDERS["expert-loop"] = lambda s: ExpertLoop()
 
 
 class _ClipGrad(torch.autograd.Function):

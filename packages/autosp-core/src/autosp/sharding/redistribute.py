@@ -57,7 +57,11 @@ def gather(ctx: SPContext, v: SPValue, *, for_output: bool = False) -> torch.Ten
     full = C.all_gather(view.contiguous(), sdim, sizes, ctx.group_name, for_output)
     if not in_rank_order(p.ranges):
         full = _reorder(full, sdim, p.ranges)
-    return _merge_axis(full, sdim, folded)
+    merged = _merge_axis(full, sdim, folded)
+    # A program output must not alias what the program never returned: the merge of a folded axis is
+    # a view of the gathered buffer, which AOT autograd hands back as a view made under no_grad, and an
+    # in-place write on it in eager code after a graph break failed (HF DBRX's experts: index_add_).
+    return merged.clone() if for_output and folded else merged
 
 
 def _reorder(gathered: torch.Tensor, dim: int, ranges: Layout) -> torch.Tensor:
