@@ -218,10 +218,10 @@ def test_plugin_sharding_rule_is_used_with_its_contract(fresh_registry):
     class Rules:
         @hookimpl
         def autosp_register_sharding_rules(self, register):
-            register(torch.ops.aten.flip.default, my_rule, accepts=(Partial,))
+            register(torch.ops.aten.bucketize.Tensor, my_rule, accepts=(Partial,))
 
     reg = build_registry(extra_plugins=(Rules(),))
-    assert reg.sharding_rules[torch.ops.aten.flip.default] is my_rule
+    assert reg.sharding_rules[torch.ops.aten.bucketize.Tensor] is my_rule
     assert accepted(my_rule) == {Partial}
 
 
