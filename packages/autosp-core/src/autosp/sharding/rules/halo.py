@@ -26,7 +26,7 @@ import torch
 
 from autosp.sharding import collectives as C
 from autosp.sharding.context import SPContext, SPValue
-from autosp.sharding.placement import IntLike, Layout, Replicate, SeqAxis, Shard
+from autosp.sharding.placement import IntLike, Layout, Replicate, SeqAxis, Shard, even_ranges
 from autosp.sharding.redistribute import to_replicate
 from autosp.sharding.rules.base import call, fallback, replicated, rule, seq_dim, wrap
 
@@ -61,9 +61,7 @@ def held_layout(ranges: Layout, length_in: IntLike, length_out: IntLike, reads: 
     or its backward, that the others wait in. Reading one, it reads them for real
     (``_route_one_own_position``). Any layout is exact: the reads are planned from it.
     """
-    world, n = len(ranges), int(length_out)
-    even = tuple(((r * n // world, (r + 1) * n // world),) for r in range(world))
-    for layout in (out_layout(ranges, length_in, length_out), even):
+    for layout in (out_layout(ranges, length_in, length_out), even_ranges(int(length_out), len(ranges))):
         wanted = reads(layout)
         if all(any(min(hi, length_in) > max(lo, 0) for lo, hi in pieces) for pieces in wanted):
             return layout, wanted

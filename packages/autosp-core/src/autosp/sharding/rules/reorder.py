@@ -64,12 +64,11 @@ def flip_rule(ctx, node, args, kwargs):
     v = args[0]
     dims = {normalize_dim(d, v.ndim) for d in args[1]}
     p = v.placement
-    out = call(node, args, kwargs)
     if not isinstance(p, Shard) or p.axis.dim not in dims:
-        return SPValue(out, p, node.meta["val"])
+        return _local(node, args, kwargs, p)
     length = p.axis.length
     ranges = tuple(tuple((length - hi, length - lo) for lo, hi in reversed(pieces)) for pieces in p.ranges)
-    return SPValue(out, Shard(p.axis, ranges), node.meta["val"])
+    return SPValue(call(node, args, kwargs), Shard(p.axis, ranges), node.meta["val"])
 
 
 @rule(aten.roll.default, accepts=(Partial,))
