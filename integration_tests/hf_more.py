@@ -98,7 +98,10 @@ def config(model_type: str, attention: str) -> Any:
     if getattr(cfg, "layer_types", "unset") is None:
         cfg.layer_types = ["full_attention"] * hm.LAYERS
     if model_type == "gemma3_text":
+        # Both kinds of layer, as the real model mixes them: its rotary tables are computed in a loop
+        # over set(layer_types), whose order differs per process (autosp.canonical).
         cfg.sliding_window = hm.WINDOW
+        cfg.layer_types = ["sliding_attention", "full_attention"]
     if model_type == "deepseek_v3":  # MLA: low-rank q and kv, heads split into a rotary and a plain half
         head = hm.HIDDEN // hm.HEADS
         cfg.num_key_value_heads = hm.HEADS

@@ -652,6 +652,8 @@ def inputs(name: str, seq: int = 16, batch: int = 2) -> tuple[torch.Tensor, ...]
         "landmarks",
         "wide-value-heads",
         "token-wise-functions",
+        "set-order",
+        "set-order-dropout",
     ) or name.startswith(("hook-", "sdpa-3d", "act-clamp")):
         return (ids,)
     return ids, y
@@ -1752,6 +1754,46 @@ BUILDERS.update(
         "wide-value-heads": lambda s: WideValueHeads(),
     }
 )
+
+
+class SetOrder(LMBase):
+    """Branches computed in the order of a set, as HF Gemma-3 and Gemma-4 compute their rotary tables
+    ``for layer_type in set(config.layer_types)``: the order follows Python's string hashes, which
+    differ per process unless ``PYTHONHASHSEED`` is set, so per rank. Here the order is the rank's
+    own (reversed on odd ranks), so that every launch has the ranks disagree. Each branch reads a
+    table buffer and a projection of its own (lifted as graph inputs in the order used: the same
+    shapes, so buckets of gradients in the trace's order would sum the wrong ones) and attends (its
+    collectives, the same shapes on both branches, in the trace's order would pair the wrong ones).
+    ``dropout``: each branch draws a dropout mask, so the ranks draw in another order: other programs.
+    """
+
+    KINDS = ("sliding", "full")
+
+    def __init__(self, seq: int, dropout: bool) -> None:
+        super().__init__()
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        self.order = self.KINDS if rank % 2 == 0 else self.KINDS[::-1]
+        self.dropout = dropout
+        self.proj = nn.ModuleDict({k: nn.Linear(DIM, DIM) for k in self.KINDS})
+        self.mix = nn.ModuleDict({k: Attn() for k in self.KINDS})
+        for i, k in enumerate(self.KINDS):
+            self.register_buffer(f"{k}_table", torch.linspace(0.5 + i, 1.5 + i, 2 * seq)[:, None] * torch.ones(DIM))
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        h, branch = self.ln(x), {}
+        for kind in self.order:
+            y = self.proj[kind](h) * getattr(self, f"{kind}_table")[: ids.shape[1]]
+            if self.dropout:
+                y = F.dropout(y, 0.1, training=self.training)
+            branch[kind] = self.mix[kind](y)
+        return self.lm_loss(x + branch["sliding"] + 0.5 * branch["full"], ids)
+
+
+BUILDERS["set-order"] = lambda s: SetOrder(s, dropout=False)
+BUILDERS["set-order-dropout"] = lambda s: SetOrder(s, dropout=True)
 NAMES = list(BUILDERS)
 
 

@@ -323,6 +323,31 @@ def test_vmap_and_associative_scan_on_four_ranks_under_inductor() -> None:
         assert r["sharded"] == [16], f"{where}: {r}"
 
 
+# Work traced in another order on each rank (a loop over a set: Python's string hashes differ per
+# process; HF Gemma-3 and Gemma-4 compute their rotary tables so). Once refused as other programs; the
+# ranks now compile one canonical graph (autosp.canonical). Compared as canonical but compiled as
+# traced, the branches' collectives and gradient buckets paired the wrong ones: every output and
+# gradient wrong. Dropout drawn in another order is another program, still refused.
+SET_ORDER = [("set-order", 16, 2)]
+
+
+def test_work_traced_in_another_order_per_rank_is_one_program(pool: SPMDPool) -> None:
+    per_rank = pool.run(run_probes, [*SET_ORDER, ("set-order-dropout", 16, 2)], "ulysses", timeout_s=600)
+    for where, r in _exact(per_rank, SET_ORDER, "ulysses"):
+        assert r["sharded"] == [16] and not r["fallbacks"], f"{where}: {r}"
+    for results in per_rank:
+        error = results["set-order-dropout", 16, 2]["error"]
+        assert error.startswith("refused: ProgramMismatch: the SP ranks compiled different programs"), error
+
+
+@pytest.mark.extended(covered_by="test_work_traced_in_another_order_per_rank_is_one_program")
+@pytest.mark.parametrize("variant", ["ring", "hybrid"])
+def test_work_traced_in_another_order_on_four_ranks_under_inductor(variant: str) -> None:
+    per_rank = run_spmd(run_probes, 4, SET_ORDER, variant, "inductor")
+    for where, r in _exact(per_rank, SET_ORDER, f"{variant} inductor P=4"):
+        assert r["sharded"] == [16] and not r["fallbacks"], f"{where}: {r}"
+
+
 # Tokens routed, sorted, resampled or counted over the whole sequence (the seventh round).
 ROUTED = [f"route-{k}" for k in ROUTES]
 

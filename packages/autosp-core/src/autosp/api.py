@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -12,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from autosp import peer_failure
+from autosp.canonical import inputs_in_canonical_order, permuted
 from autosp.compile_agreement import CapturedDigest, SameProgramOnEveryRun, agree_on_compile_joining_runs, program_text
 from autosp.errors import ConfigError
 from autosp.guards import CALL_INPUTS, GraphRuns, GuardedCall, guard_compiled, guard_graph, naming_comm_failures
@@ -141,15 +143,23 @@ class AutoSPBackend:
         )
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any], **torch_options: Any) -> Callable[..., Any]:
-        from autosp.compiler import _is_param, compile_graph
-
         if torch_options:
             # torch.compile(model, backend=autosp.backend(...), mode=..., options=...) hands both here.
             self._apply_torch_options(**torch_options)
 
+        _refuse_ddp_optimizer()
         if self.world == 1:
             _refuse_late_process_group(self.options)
-        _refuse_ddp_optimizer()
+            return self._compile(gm, example_inputs)
+        # Inputs in an order every rank shares, whatever order this rank's trace lifted them in
+        # (autosp.canonical); the graph compiled here reorders Dynamo's arguments (outermost).
+        with inputs_in_canonical_order(gm) as order:
+            if order is not None:
+                example_inputs = [example_inputs[i] for i in order]
+            return permuted(self._compile(gm, example_inputs), order)
+
+    def _compile(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        from autosp.compiler import _is_param, compile_graph
 
         def compile_it() -> Callable[..., Any]:
             return compile_graph(gm, example_inputs, self.options, self.registry, self.group, self.world, self.reports)
@@ -166,7 +176,14 @@ class AutoSPBackend:
             # fails to compile fails here, agreed with its peers (see autosp.compile_agreement).
             compile_id = torch._guards.CompileContext.current_compile_id()
             what = f"graph [{compile_id}]" if compile_id is not None else "a graph"
-            program = program_text(gm, example_inputs, self.options)
+            reported = len(self.reports)
+
+            @functools.cache
+            def program() -> str:
+                # After the compile: the lowered graph's canonical form is compared (autosp.canonical).
+                lowered = self.reports[reported].lowered if len(self.reports) > reported else None
+                return program_text(gm, example_inputs, self.options, lowered)
+
             agreeing = self.sync_group if self.sync_group is not None else self.group
             with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
                 fn, joined_runs = agree_on_compile_joining_runs(
@@ -198,7 +215,7 @@ class AutoSPBackend:
         if self.world > 1:
             # Outermost: the first collective of every run, so a rank that compiled anew pairs with it.
             # On the SP group: a run's collectives keep to timeout= (the world's may be 30 minutes).
-            fn = SameProgramOnEveryRun(fn, self.group, what, program, digest, skip_first=skip)
+            fn = SameProgramOnEveryRun(fn, self.group, what, program(), digest, skip_first=skip)
         return self.runs.wrap(fn)
 
 

@@ -8,7 +8,8 @@ with one all-reduce of "did it fail" over the SP ranks, and if any rank failed, 
 the failed ones their own error, the others ``CompileFailed`` with the failed ranks' first lines.
 
 The same all-reduce compares a digest of what each rank compiles: the Dynamo graph (the same on
-every rank, which traced the same full-length inputs) and the options. Ranks whose programs differ
+every rank, which traced the same full-length inputs, up to the order of its trace: the digest is of
+the canonical form every rank compiles, ``autosp.canonical``) and the options. Ranks whose programs differ
 (a module attribute that steers control flow, one rank in ``eval()`` with dropout, another head
 count or causal flag, other ``autosp.compile`` options) would pair collectives of different programs:
 a loss that matches no single-device run, or a hang. Every rank raises ``ProgramMismatch`` instead.
@@ -46,6 +47,7 @@ import torch.distributed as dist
 
 from autosp import peer_failure
 from autosp.analysis.attention import hint, hints
+from autosp.canonical import program_code
 from autosp.errors import AutoSPError
 from autosp.guards import CollectiveFailure, comm_failure_message, is_comm_failure
 from autosp.input_check import collective_device
@@ -73,8 +75,14 @@ _UNCOMPARED = ("group", "timeout", "hardware")  # process objects, and settings 
 _MASK = (1 << 62) - 1  # a digest d and -d both fit int64, so one MAX all-reduce gives min and max
 
 
-def program_text(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: Any) -> str:
-    """What the SP ranks must agree on for one compile: the Dynamo graph, its inputs' shapes, the options."""
+def program_text(
+    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: Any, lowered: str | None = None
+) -> str:
+    """What the SP ranks must agree on for one compile: the Dynamo graph, its inputs' shapes, the options.
+
+    ``lowered``: the lowered graph in canonical form (``Report.lowered``); with it, the graph is
+    compared in a form that does not depend on the order of the trace (``autosp.canonical``).
+    """
     inputs = [
         f"{hints(x.shape)} {x.dtype} {x.requires_grad}" if isinstance(x, torch.Tensor) else repr(hint(x))
         for x in example_inputs
@@ -84,9 +92,7 @@ def program_text(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], option
     # graph, after Dynamo compiled), that is the first difference the message shows.
     # Subgraphs too (checkpointed layers, a custom Function's forward and backward, Flex's score_mod):
     # a constant that differs between ranks may sit in one of them only.
-    code = "\n".join(
-        f"# {name or 'graph'}\n{m.code}" for name, m in gm.named_modules() if isinstance(m, torch.fx.GraphModule)
-    )
+    code = program_code(gm, lowered)
     return _ADDRESS.sub("0x..", f"graph inputs: {inputs}\noptions: {opts!r}\n{code}")
 
 
@@ -99,7 +105,7 @@ def agree_on_compile(
     compile_fn: Callable[[], T],
     group: Any,
     what: str,
-    program: str = "",
+    program: str | Callable[[], str] = "",
     group_ops: Callable[[], list[str] | None] = lambda: None,
 ) -> T:
     """``compile_fn()`` on this rank; it returns only if it returned on every rank of ``group``, and
@@ -111,7 +117,7 @@ def agree_on_compile_joining_runs(
     compile_fn: Callable[[], T],
     group: Any,
     what: str,
-    program: str = "",
+    program: str | Callable[[], str] = "",
     captured: Sequence[tuple[str, int]] = (),
     group_ops: Callable[[], list[str] | None] = lambda: None,
 ) -> tuple[T, bool]:
@@ -121,7 +127,8 @@ def agree_on_compile_joining_runs(
     first one (``SameProgramOnEveryRun(skip_first=True)``) to stay in step with them.
     ``captured``: fingerprints of the tensors the graph reads besides parameters and inputs
     (``CapturedDigest``), which the running ranks' exchange carries too. ``group_ops``: the compiled
-    graphs' group ops, read once ``compile_fn`` returned (None: not known on this rank)."""
+    graphs' group ops, read once ``compile_fn`` returned (None: not known on this rank); ``program``
+    may be read then too (the lowered graph's canonical form is known only after the compile)."""
     error: Exception | None = None
     result: Any = None
     try:
@@ -130,6 +137,7 @@ def agree_on_compile_joining_runs(
         error = e
     waiting = f"waiting for every SP rank to compile {what}"
     sequence = group_ops() if error is None else None
+    program = program() if callable(program) else program
     failed, alike, running = _exchange(
         group, waiting, what, program, error, CapturedDigest.digest(captured), compiling=True, sequence=sequence
     )
@@ -295,10 +303,11 @@ def string_hash() -> int:
 
 
 _HASH_HINT = (
-    " The ranks' Python string hashes differ (PYTHONHASHSEED is not set alike), so iterating over a set of "
-    "strings (HF Gemma-3 does, over its layer types) takes another order on each rank; with a graph break "
-    "in that loop, each rank compiles its pieces in another order. Launch every rank with the same "
-    "PYTHONHASHSEED (e.g. PYTHONHASHSEED=0 torchrun ...)."
+    " The ranks' Python string hashes differ (PYTHONHASHSEED is not set alike), so a loop over a set of "
+    "strings (HF Gemma-3 has one, over its layer types) runs in another order on each rank. AutoSP compiles "
+    "work traced in another order as one program, but not random draws or writes made in another order, nor "
+    "a graph break inside such a loop (each rank then compiles its pieces in another order). Launch every "
+    "rank with the same PYTHONHASHSEED (e.g. PYTHONHASHSEED=0 torchrun ...)."
 )
 
 

@@ -36,6 +36,9 @@ class Report:
     # The group ops of the compiled forward, then backward, in the order each rank issues them; None
     # when AOT autograd took the graphs from its cache (no stage compiled here).
     group_ops: list[str] | None = None
+    # The lowered graph's code in canonical form (``autosp.canonical``), which the SP ranks compare;
+    # None when the graph was not lowered.
+    lowered: str | None = field(default=None, repr=False)
 
     def __str__(self) -> str:
         lines = [

@@ -16,6 +16,7 @@ from autosp.analysis.eager import (
     rewrite_region,
 )
 from autosp.analysis.source import user_line
+from autosp.canonical import canonical_order, lowered_code
 from autosp.context import CompileContext
 from autosp.errors import AutoSPError
 from autosp.flex_mods import refuse_computed_captures, restore_mod_index
@@ -373,6 +374,11 @@ def lower(gm: torch.fx.GraphModule, ctx: CompileContext) -> torch.fx.GraphModule
     if changed:
         # Once more, so that the new nodes carry meta values like every other.
         aten_gm = lower_to_aten(aten_gm, ctx.fake_inputs, ctx.fake_mode)
+        aten_gm.graph.eliminate_dead_code()
+    # Every rank the same graph, whatever order its trace took (see autosp.canonical); the ranks
+    # compare this form. Left as traced (not compared as canonical) only if it cannot be made.
+    if canonical_order(aten_gm):
+        ctx.report.lowered = lowered_code(aten_gm)
     # Sites again, now keyed by the lowered graph's node names.
     ctx.sites = find_attention_sites(aten_gm, _specs(ctx))
     ctx.report.sites = list(ctx.sites)
