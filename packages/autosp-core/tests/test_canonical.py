@@ -108,6 +108,28 @@ def test_ops_beyond_aten_keep_their_order() -> None:
     assert recorded == [torch.ops.aten.sin.default, torch.ops.aten.cos.default]
 
 
+@pytest.mark.parametrize("dropout_p", [0.0, 0.1])
+def test_attention_is_an_effect_only_when_it_draws_dropout(dropout_p: float) -> None:
+    """The attention leaf with dropout draws from the generator: two of them swapped would each get the
+    other's numbers, not the single-device program's."""
+    from autosp.lowering import SDPA
+
+    def branches(first: str):
+        def fn(q: torch.Tensor) -> torch.Tensor:
+            out = {
+                kind: SDPA.leaf(q.sin() if kind == "a" else q.cos(), q, q, dropout_p=dropout_p)
+                for kind in ((first, "b") if first == "a" else (first, "a"))
+            }
+            return out["a"] + out["b"]
+
+        return fn
+
+    q = torch.randn(1, 2, 4, 8)
+    a, b = _lowered(branches("a"), q), _lowered(branches("b"), q)
+    assert canonical_order(a) and canonical_order(b)
+    assert (a.code == b.code) == (dropout_p == 0.0)
+
+
 def test_writes_stay_where_they_were() -> None:
     def fn(x: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
         y = x.sin()

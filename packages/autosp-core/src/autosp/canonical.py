@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from autosp.lowering import SDPA
+from autosp.lowering import SDPA, sdpa_args
 
 _SUFFIX = re.compile(r"_\d+$")
 _NAME = re.compile(r"\b[A-Za-z_][A-Za-z0-9_]*\b")
@@ -100,18 +100,24 @@ def permuted(fn: Callable[..., Any], order: Sequence[int] | None) -> Callable[..
 def _pure(node: fx.Node) -> bool:
     """A node that reads its arguments only and writes nothing: free to move between its inputs and users.
 
-    Only aten's and prims' ops (and AutoSP's attention leaf) are judged by their schemas; any other
-    op (a collective, a custom op that runs a hook or a user's Function, a higher-order op) is taken
-    as an effect: it keeps its place, whatever its schema says.
+    Only aten's and prims' ops are judged by their schemas (a random draw is an effect), AutoSP's
+    attention leaf by its dropout; any other op (a collective, a custom op that runs a hook or a
+    user's Function, a higher-order op) is taken as an effect: it keeps its place, whatever its
+    schema says.
     """
     if node.op == "get_attr":
         return True
     if node.op != "call_function" or node.is_impure():
         return False
     target = node.target
+    if target is SDPA.leaf:  # draws a dropout mask only when dropout_p says so
+        return not sdpa_args(node.args, node.kwargs)["dropout_p"]
     if isinstance(target, torch._ops.OpOverload):
-        known = target.namespace in ("aten", "prims") or target is SDPA.leaf
-        return known and not target._schema.is_mutable and torch.Tag.nondeterministic_seeded not in target.tags
+        return (
+            target.namespace in ("aten", "prims")
+            and not target._schema.is_mutable
+            and torch.Tag.nondeterministic_seeded not in target.tags
+        )
     return target in _PURE_OPERATORS
 
 
@@ -204,8 +210,7 @@ def canonical_order(gm: fx.GraphModule) -> bool:
         )
         copy.meta = dict(node.meta)
         env[node] = copy
-    gm.graph = new
-    gm.recompile()
+    gm.graph = new  # the setter recompiles
     return True
 
 
