@@ -161,6 +161,13 @@ def _compile_failed(what: str, group: Any, lines: list[Any], here: str) -> Compi
     )
 
 
+@functools.lru_cache(maxsize=256)
+def _program_digest(program: str) -> int:
+    """Once per program text, not at every run of its graph: a large model's text is megabytes
+    (its lowered graph too), and a string's own hash, which the cache looks up by, is kept."""
+    return digest_bytes(program.encode()) & _MASK
+
+
 def _exchange(
     group: Any,
     waiting: str,
@@ -176,7 +183,7 @@ def _exchange(
     differ, ``CollectiveMismatch`` when every rank knows its group ops and they differ. Returns (ranks
     that failed, whether the ``captured`` digests agree, whether some ranks were compiling and others
     running)."""
-    digest = digest_bytes(program.encode()) & _MASK
+    digest = _program_digest(program)
     captured &= _MASK
     ops = digest_bytes("\n".join(sequence).encode()) & _MASK if sequence is not None else 0
     values = [int(error is not None), digest, -digest, captured, -captured, int(compiling), -int(compiling)]
