@@ -206,3 +206,16 @@ def test_the_program_text_covers_subgraphs() -> None:
     x = torch.randn(3, requires_grad=True)
     assert program_text(a, [x], SPOptions()) != program_text(b, [x], SPOptions())
     assert program_text(a, [x], SPOptions()) == program_text(graph_of(2.0), [x], SPOptions())
+
+
+def test_each_program_text_is_hashed_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every run of a graph exchanges its program's digest: a large model's text is megabytes (12 ms
+    to hash 2.8 MB here), so it is hashed at the first run only."""
+    from autosp import compile_agreement
+
+    hashed: list[int] = []
+    monkeypatch.setattr(compile_agreement, "digest_bytes", lambda data: hashed.append(len(data)) or 7)
+    compile_agreement._program_digest.cache_clear()
+    text = "graph inputs: []\n" * 100
+    assert [compile_agreement._program_digest(text) for _ in range(3)] == [7, 7, 7]
+    assert hashed == [len(text)]
