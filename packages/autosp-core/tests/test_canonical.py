@@ -35,6 +35,16 @@ def _lowered(fn, *args: torch.Tensor) -> torch.fx.GraphModule:
     return make_fx(fn)(*args)
 
 
+def _through(first: str, effect):
+    """Branch a (a sine) and branch b (a cosine) each through ``effect``, in the order ``first`` names."""
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        out = {kind: effect(x.sin() if kind == "a" else x.cos()) for kind in (first, "b" if first == "a" else "a")}
+        return out["a"] + out["b"]
+
+    return fn
+
+
 def test_natural_order_of_names() -> None:
     names = ["L_layers_10_w", "L_layers_2_w", "L_x_", "L_layers_2_b", "G_t"]
     assert sorted(names, key=natural_key) == ["G_t", "L_layers_2_b", "L_layers_2_w", "L_layers_10_w", "L_x_"]
@@ -55,18 +65,11 @@ def test_independent_work_in_either_order_becomes_one_graph(apart: bool) -> None
 
 
 def test_random_draws_keep_their_order_and_pure_work_never_crosses_one() -> None:
-    def draws(first: str):
-        def fn(x: torch.Tensor) -> torch.Tensor:
-            out = {}
-            for kind in ("a", "b") if first == "a" else ("b", "a"):
-                y = x.sin() if kind == "a" else x.cos()
-                out[kind] = y * torch.rand_like(y)
-            return out["a"] + out["b"]
-
-        return fn
+    def draw(y: torch.Tensor) -> torch.Tensor:
+        return y * torch.rand_like(y)
 
     x = torch.randn(4)
-    a, b = _lowered(draws("a"), x), _lowered(draws("b"), x)
+    a, b = _lowered(_through("a", draw), x), _lowered(_through("b", draw), x)
     assert canonical_order(a) and canonical_order(b)
     # Other draws in another order: other programs, and the canonical forms say so.
     assert a.code != b.code
@@ -76,7 +79,7 @@ def test_random_draws_keep_their_order_and_pure_work_never_crosses_one() -> None
     cos = next(i for i, n in enumerate(nodes) if n.target is torch.ops.aten.cos.default)
     assert sin < rand[0] < cos < rand[1]  # as traced: the sine before the first draw, the cosine after it
     torch.manual_seed(0)
-    expected = draws("a")(x)
+    expected = _through("a", draw)(x)
     torch.manual_seed(0)
     torch.testing.assert_close(a(x), expected, rtol=0, atol=0)
 
@@ -93,15 +96,8 @@ def _(x: torch.Tensor) -> torch.Tensor:
 
 
 def test_ops_beyond_aten_keep_their_order() -> None:
-    def calls(first: str):
-        def fn(x: torch.Tensor) -> torch.Tensor:
-            out = {kind: _record(x.sin() if kind == "a" else x.cos()) for kind in (first, "b" if first == "a" else "a")}
-            return out["a"] + out["b"]
-
-        return fn
-
     x = torch.randn(3)
-    a, b = _lowered(calls("a"), x), _lowered(calls("b"), x)
+    a, b = _lowered(_through("a", _record), x), _lowered(_through("b", _record), x)
     assert canonical_order(a) and canonical_order(b)
     assert a.code != b.code
     recorded = [n.args[0].target for n in a.graph.nodes if n.target is torch.ops.autosp_canonical_test.record.default]
@@ -114,18 +110,11 @@ def test_attention_is_an_effect_only_when_it_draws_dropout(dropout_p: float) -> 
     other's numbers, not the single-device program's."""
     from autosp.lowering import SDPA
 
-    def branches(first: str):
-        def fn(q: torch.Tensor) -> torch.Tensor:
-            out = {
-                kind: SDPA.leaf(q.sin() if kind == "a" else q.cos(), q, q, dropout_p=dropout_p)
-                for kind in ((first, "b") if first == "a" else (first, "a"))
-            }
-            return out["a"] + out["b"]
-
-        return fn
+    def attend(y: torch.Tensor) -> torch.Tensor:
+        return SDPA.leaf(y, y, y, dropout_p=dropout_p)
 
     q = torch.randn(1, 2, 4, 8)
-    a, b = _lowered(branches("a"), q), _lowered(branches("b"), q)
+    a, b = _lowered(_through("a", attend), q), _lowered(_through("b", attend), q)
     assert canonical_order(a) and canonical_order(b)
     assert (a.code == b.code) == (dropout_p == 0.0)
 
