@@ -374,7 +374,8 @@ def lower(gm: torch.fx.GraphModule, ctx: CompileContext) -> torch.fx.GraphModule
     if changed:
         # Once more, so that the new nodes carry meta values like every other.
         aten_gm = lower_to_aten(aten_gm, ctx.fake_inputs, ctx.fake_mode)
-        aten_gm.graph.eliminate_dead_code()
+        if aten_gm.graph.eliminate_dead_code():
+            aten_gm.recompile()
     # Every rank the same graph, whatever order its trace took (see autosp.canonical); the ranks
     # compare this form. Left as traced (not compared as canonical) only if it cannot be made.
     if canonical_order(aten_gm):
