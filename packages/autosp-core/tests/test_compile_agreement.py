@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
@@ -210,12 +211,20 @@ def test_the_program_text_covers_subgraphs() -> None:
 
 def test_each_program_text_is_hashed_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every run of a graph exchanges its program's digest: a large model's text is megabytes (12 ms
-    to hash 2.8 MB here), so it is hashed at the first run only."""
+    to hash 2.8 MB here), so it is hashed when the graph is made, not at each run."""
     from autosp import compile_agreement
+    from autosp.compile_agreement import SameProgramOnEveryRun
 
-    hashed: list[int] = []
-    monkeypatch.setattr(compile_agreement, "digest_bytes", lambda data: hashed.append(len(data)) or 7)
-    compile_agreement._program_digest.cache_clear()
     text = "graph inputs: []\n" * 100
-    assert [compile_agreement._program_digest(text) for _ in range(3)] == [7, 7, 7]
-    assert hashed == [len(text)]
+    hashed: list[str] = []
+    real = compile_agreement.digest_bytes
+    monkeypatch.setattr(
+        compile_agreement, "digest_bytes", lambda data: hashed.append(threading.current_thread().name) or real(data)
+    )
+
+    def rank_fn(rank: int, _: str) -> list[float]:
+        run = SameProgramOnEveryRun(lambda x: x * 2, dist.group.WORLD, "graph [0/0]", text)
+        return [run(torch.ones(2)).sum().item() for _ in range(3)]
+
+    assert simulate(rank_fn, 2) == [[4.0] * 3] * 2
+    assert len(hashed) == 2  # once per rank

@@ -161,10 +161,7 @@ def _compile_failed(what: str, group: Any, lines: list[Any], here: str) -> Compi
     )
 
 
-@functools.lru_cache(maxsize=256)
 def _program_digest(program: str) -> int:
-    """Once per program text, not at every run of its graph: a large model's text is megabytes
-    (its lowered graph too), and a string's own hash, which the cache looks up by, is kept."""
     return digest_bytes(program.encode()) & _MASK
 
 
@@ -177,13 +174,14 @@ def _exchange(
     captured: int = 0,
     compiling: bool = False,
     sequence: list[str] | None = None,
+    digest: int | None = None,
 ) -> tuple[int, bool, bool]:
     """One MAX all-reduce of (failed?, digest, -digest, captured, -captured, compiling, -compiling,
     sequence unknown?, its digest, -digest); raises ``ProgramMismatch`` when the program digests
     differ, ``CollectiveMismatch`` when every rank knows its group ops and they differ. Returns (ranks
     that failed, whether the ``captured`` digests agree, whether some ranks were compiling and others
-    running)."""
-    digest = _program_digest(program)
+    running). ``digest``: the program's, when the caller keeps it (a graph runs many times)."""
+    digest = _program_digest(program) if digest is None else digest
     captured &= _MASK
     ops = digest_bytes("\n".join(sequence).encode()) & _MASK if sequence is not None else 0
     values = [int(error is not None), digest, -digest, captured, -captured, int(compiling), -int(compiling)]
@@ -234,6 +232,8 @@ class SameProgramOnEveryRun:
         skip_first: bool = False,
     ) -> None:
         self.fn, self.group, self.what, self.program = fn, group, what, program
+        # Once, not at every run: a large model's text is megabytes (12 ms to hash 2.8 MB here).
+        self.digest = _program_digest(program)
         self.captured = captured if captured is not None else CapturedDigest(())
         self.skip = skip_first  # this rank's compile agreement already took the running ranks' exchange
         functools.update_wrapper(self, fn)
@@ -244,7 +244,9 @@ class SameProgramOnEveryRun:
             return self.fn(*args)
         waiting = f"a collective of the SP program (the check that every SP rank runs {self.what})"
         named = self.captured.fingerprints(args)
-        failed, alike, _ = _exchange(self.group, waiting, self.what, self.program, None, self.captured.digest(named))
+        failed, alike, _ = _exchange(
+            self.group, waiting, self.what, self.program, None, self.captured.digest(named), digest=self.digest
+        )
         if failed:
             # A rank that recompiled this graph failed: join its report, as the compiling ranks do.
             lines: list[Any] = [None] * dist.get_world_size(self.group)
