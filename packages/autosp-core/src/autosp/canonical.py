@@ -121,16 +121,17 @@ def _pure(node: fx.Node) -> bool:
     return target in _PURE_OPERATORS
 
 
-def _stretches(nodes: Sequence[fx.Node]) -> tuple[dict[fx.Node, int], list[fx.Node]]:
-    """Each pure node's stretch (how many effectful nodes precede it), and the effectful nodes in order."""
-    stretch: dict[fx.Node, int] = {}
+def _stretches(nodes: Sequence[fx.Node]) -> tuple[list[list[fx.Node]], list[fx.Node]]:
+    """The pure nodes of each stretch (stretch k: after k effects), and the effects in order."""
+    stretches: list[list[fx.Node]] = [[]]
     effects: list[fx.Node] = []
     for node in nodes:
         if _pure(node):
-            stretch[node] = len(effects)
+            stretches[-1].append(node)
         else:
             effects.append(node)
-    return stretch, effects
+            stretches.append([])
+    return stretches, effects
 
 
 def _depth_first(roots: Sequence[fx.Node], member: Callable[[fx.Node], bool]) -> list[fx.Node]:
@@ -162,29 +163,24 @@ def canonical_nodes(graph: fx.Graph) -> list[fx.Node] | None:
     is used by nothing (the caller eliminates dead code first).
     """
     nodes = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
-    stretch, effects = _stretches(nodes)
-    members: list[list[fx.Node]] = [[] for _ in range(len(effects) + 1)]
-    for node, k in stretch.items():
-        members[k].append(node)
-    after: list[fx.Node] = [next(iter(graph.find_nodes(op="output")))]  # what follows stretch k, canonically
-    position: dict[fx.Node, int] = {after[0]: 0}  # counted from the end
+    stretches, effects = _stretches(nodes)
+    # Each placed node's position counted from the end: the canonical order of what follows stretch k.
+    position: dict[fx.Node, int] = {next(iter(graph.find_nodes(op="output"))): 0}
     for k in range(len(effects), -1, -1):
         if k < len(effects):
-            after.append(effects[k])
             position[effects[k]] = len(position)
         uses: dict[fx.Node, tuple[int, int]] = {}
-        for node in members[k]:
+        for node in stretches[k]:
             firsts = [(-position[user], user.all_input_nodes.index(node)) for user in node.users if user in position]
             if firsts:
                 uses[node] = min(firsts)
         roots = sorted(uses, key=uses.__getitem__)
-        ordered = _depth_first(roots, set(members[k]).__contains__)
-        if len(ordered) != len(members[k]):
+        ordered = _depth_first(roots, set(stretches[k]).__contains__)
+        if len(ordered) != len(stretches[k]):
             return None
         for node in reversed(ordered):
-            after.append(node)
             position[node] = len(position)
-    return [n for n in reversed(after) if n.op != "output"]
+    return sorted((n for n in position if n.op != "output"), key=position.__getitem__, reverse=True)
 
 
 def canonical_order(gm: fx.GraphModule) -> bool:
@@ -232,19 +228,20 @@ def program_code(gm: fx.GraphModule, lowered: str | None) -> str:
     """What of ``gm`` the SP ranks compare: with the lowered graph in canonical form, the Dynamo graph's
     lines in an order that does not depend on the trace's, its subgraphs and the lowered graph;
     without it (not lowered: a failed compile), the Dynamo graph's code as traced."""
-    subgraphs = [(name, m) for name, m in gm.named_modules() if name and isinstance(m, fx.GraphModule)]
     if lowered is None:
-        return "\n".join(f"# {name or 'graph'}\n{m.code}" for name, m in [("", gm), *subgraphs])
+        return _modules_code(gm, "graph")
     # Subgraphs by their code alone: their attribute names (wrap_body_0) count in the trace's order.
-    bodies = sorted(m.code for _, m in subgraphs)
+    bodies = sorted(m.code for name, m in gm.named_modules() if name and isinstance(m, fx.GraphModule))
     return "\n".join(["# graph", *_root_lines(gm), *(f"# subgraph\n{code}" for code in bodies), "# lowered", lowered])
 
 
 def lowered_code(gm: fx.GraphModule) -> str:
     """The lowered graph's code and its subgraphs' (FlexAttention's score_mod), in canonical form."""
-    return "\n".join(
-        f"# {name or 'lowered graph'}\n{m.code}" for name, m in gm.named_modules() if isinstance(m, fx.GraphModule)
-    )
+    return _modules_code(gm, "lowered graph")
+
+
+def _modules_code(gm: fx.GraphModule, root: str) -> str:
+    return "\n".join(f"# {name or root}\n{m.code}" for name, m in gm.named_modules() if isinstance(m, fx.GraphModule))
 
 
 __all__ = [
