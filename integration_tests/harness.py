@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from spmd_pool import RankError, SPMDPool, quick_inductor_kernels
+from spmd_pool import RankError, SPMDPool, fallback_is_an_error, quick_inductor_kernels
 
 PG_TIMEOUT_S = 120.0  # a collective that one rank skips must fail the test, not hang it
 TASK_TIMEOUT_S = 1500.0
@@ -36,6 +36,7 @@ def _worker(rank: int, world: int, store_path: str, out_dir: str, fn: Callable[.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     quick_inductor_kernels()
+    fallback_is_an_error()
     store = dist.FileStore(store_path, world)
     dist.init_process_group(
         "gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=PG_TIMEOUT_S)

@@ -654,6 +654,8 @@ def inputs(name: str, seq: int = 16, batch: int = 2) -> tuple[torch.Tensor, ...]
         "token-wise-functions",
         "set-order",
         "set-order-dropout",
+        "nested-regions",
+        "functorch-inside",
     ) or name.startswith(("hook-", "sdpa-3d", "act-clamp")):
         return (ids,)
     return ids, y
@@ -1794,6 +1796,58 @@ class SetOrder(LMBase):
 
 BUILDERS["set-order"] = lambda s: SetOrder(s, dropout=False)
 BUILDERS["set-order-dropout"] = lambda s: SetOrder(s, dropout=True)
+
+
+def _mlp() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(DIM, 2 * DIM), nn.GELU(), nn.Linear(2 * DIM, DIM))
+
+
+@torch.compiler.nested_compile_region
+def _region(ln: nn.Module, attn: nn.Module, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    x = x + attn(ln(x))
+    return x + mlp(x)
+
+
+class Regions(LMBase):
+    """Blocks called through one ``torch.compiler.nested_compile_region`` (torch traces the body once:
+    an ``invoke_subgraph`` op per call, each block's weights its operands), attention inside. AutoSP's
+    lowering could not trace the op; the body is inlined at each call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.ModuleDict({"ln": nn.LayerNorm(DIM), "attn": Attn(), "mlp": _mlp()}) for _ in range(2)
+        )
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for b in self.blocks:
+            x = _region(b["ln"], b["attn"], b["mlp"], x)
+        return self.lm_loss(x, ids)
+
+
+class FunctorchInside(LMBase):
+    """``torch.func`` transforms inside the model (a penalty or curvature term): a ``vjp`` and a ``jvp``
+    of an MLP, and ``grad`` of a norm of it, on the sequence-sharded activations. Dynamo inlines
+    them as functorch levels, which functionalization could not trace (an internal assert)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = _mlp()
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        h = self.ln(x)
+        y, vjp = torch.func.vjp(self.mlp, h)
+        (gh,) = vjp(torch.ones_like(y))
+        _, tangent = torch.func.jvp(self.mlp, (h,), (gh,))
+        penalty = torch.func.grad(lambda t: self.mlp(t).square().sum())(h)
+        x = x + self.attn(y) + 0.1 * tangent + 0.01 * penalty
+        return self.lm_loss(x, ids)
+
+
+BUILDERS["nested-regions"] = lambda s: Regions()
+BUILDERS["functorch-inside"] = lambda s: FunctorchInside()
 NAMES = list(BUILDERS)
 
 

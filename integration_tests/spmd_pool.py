@@ -17,6 +17,7 @@ import re
 import tempfile
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +43,16 @@ class PoolTimeout(RuntimeError):
     """Some ranks did not answer within the task's timeout (a hang, or a very slow compile)."""
 
 
+def fallback_is_an_error() -> None:
+    """A graph AutoSP fails to compile runs whole for users (``autosp.CompiledWhole``); here, a test fails.
+
+    Tests of the fallback itself say so with their own ``warnings.catch_warnings``.
+    """
+    import autosp
+
+    warnings.filterwarnings("error", category=autosp.CompiledWhole)
+
+
 def quick_inductor_kernels() -> None:
     """Scalar C++ kernels from Inductor in the test processes: they compile in about half the time.
 
@@ -61,6 +72,7 @@ def _worker(rank: int, world: int, store_path: str, pg_timeout_s: float, inbox: 
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     quick_inductor_kernels()
+    fallback_is_an_error()
     # A collective that another rank skipped fails after pg_timeout_s instead of hanging the pool.
     dist.init_process_group(
         "gloo",

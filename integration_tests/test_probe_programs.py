@@ -348,6 +348,27 @@ def test_work_traced_in_another_order_on_four_ranks_under_inductor(variant: str)
         assert r["sharded"] == [16] and not r["fallbacks"], f"{where}: {r}"
 
 
+# Blocks through one torch.compiler.nested_compile_region (invoke_subgraph), and torch.func's vjp,
+# jvp and grad inside the model: AutoSP's lowering failed on both (functionalization cannot trace the
+# op, nor functorch's levels inside its own); a region is inlined, transforms traced out first.
+TRACED_OUT = [("nested-regions", 16, 2), ("functorch-inside", 16, 2)]
+
+
+def test_nested_regions_and_functorch_transforms_are_sequence_parallel(pool: SPMDPool) -> None:
+    per_rank = pool.run(run_probes, TRACED_OUT, "ulysses", timeout_s=600)
+    for where, r in _exact(per_rank, TRACED_OUT, "ulysses"):
+        assert r["sharded"] == [16] and not r["fallbacks"], f"{where}: {r}"
+
+
+@pytest.mark.extended(covered_by="test_nested_regions_and_functorch_transforms_are_sequence_parallel")
+@pytest.mark.parametrize(("variant", "world"), [("hybrid", 4), ("ring", 3)])
+def test_nested_regions_and_functorch_transforms_under_inductor(variant: str, world: int) -> None:
+    probes = [(name, 24 if world == 3 else seq, batch) for name, seq, batch in TRACED_OUT]
+    per_rank = run_spmd(run_probes, world, probes, variant, "inductor")
+    for where, r in _exact(per_rank, probes, f"{variant} inductor P={world}"):
+        assert r["sharded"] == [probes[0][1]] and not r["fallbacks"], f"{where}: {r}"
+
+
 # Tokens routed, sorted, resampled or counted over the whole sequence (the seventh round).
 ROUTED = [f"route-{k}" for k in ROUTES]
 

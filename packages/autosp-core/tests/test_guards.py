@@ -550,10 +550,20 @@ def test_not_sharded_message_points_at_graph_breaks_and_the_forms_found():
 
     from autosp.guards import not_sharded_message
 
-    one = not_sharded_message(2, [SimpleNamespace(notes=[])])
-    two = not_sharded_message(2, [SimpleNamespace(notes=[]), SimpleNamespace(notes=[])])
+    def graph(failed: str | None = None) -> SimpleNamespace:
+        return SimpleNamespace(notes=[], compiled_whole=failed)
+
+    one = not_sharded_message(2, [graph()])
+    two = not_sharded_message(2, [graph(), graph()])
     assert "bmm, baddbmm or einsum" in one and "graph break" not in one
     assert "split this program into 2 graphs" in two and "TORCH_LOGS=graph_breaks" in two
+    # A graph AutoSP failed to compile (autosp.whole) is named as the cause, not missing attention.
+    failed = not_sharded_message(2, [graph("RuntimeError: boom")])
+    assert "failed to compile them (RuntimeError: boom)" in failed and "no attention" not in failed
+    mixed = not_sharded_message(2, [graph("RuntimeError: boom"), graph()])
+    assert (
+        "failed to compile 1 of them (RuntimeError: boom" in mixed and "no attention was found in the others" in mixed
+    )
 
 
 def test_incoming_gradient_statistics_agree_within_tolerance_and_on_nan():

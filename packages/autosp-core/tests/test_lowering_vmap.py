@@ -51,3 +51,36 @@ def test_a_graph_with_vmap_lowers_to_plain_aten_with_the_same_values_and_gradien
     assert torch.ops.aten.copy_.default in calls  # the buffer's write, made functional then copied back
     for got, expected in zip(run(aten_gm), run(_program)):
         torch.testing.assert_close(got, expected)
+
+
+def test_a_graph_with_torch_func_vjp_jvp_and_grad_lowers_with_the_same_values_and_gradients():
+    """``torch.func.vjp``/``jvp``/``grad`` are functorch levels too (``_grad_increment_nesting``, ...):
+    functionalization alone failed on them with an internal assert."""
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(2, 6, 4, generator=gen), torch.randn(4, 4, generator=gen)
+
+    def program(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        def f(t: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(t @ w)
+
+        y, vjp = torch.func.vjp(f, x)
+        (gx,) = vjp(torch.ones_like(y))
+        _, tangent = torch.func.jvp(f, (x,), (gx,))
+        return y + tangent + torch.func.grad(lambda t: f(t).square().sum())(x)
+
+    (gm,), _ = capture_graphs(program, x, w)
+    assert _has_vmap(gm)
+    order = [n.name.removeprefix("l_").removesuffix("_") for n in gm.graph.nodes if n.op == "placeholder"]
+    mode = FakeTensorMode()
+    fakes = {"x": mode.from_tensor(x), "w": mode.from_tensor(w.clone().requires_grad_())}
+    aten_gm = lower_to_aten(gm, [fakes[name] for name in order], mode)
+
+    def run(fn):
+        given = {"x": x, "w": w.clone().requires_grad_()}
+        out = fn(*(given[name] for name in order)) if fn is not program else fn(**given)
+        out = out[0] if isinstance(out, (tuple, list)) else out
+        out.pow(2).sum().backward()
+        return out, given["w"].grad
+
+    for got, expected in zip(run(aten_gm), run(program)):
+        torch.testing.assert_close(got, expected)

@@ -32,6 +32,7 @@ from autosp.report import Report
 from autosp.rng_check import RandomStateMismatch
 from autosp.variants import SPVariant
 from autosp.verify import VerifyReport, verify
+from autosp.whole import CompileCrashed, CompiledWhole
 
 try:
     # pyproject.toml is the one version source; the installed metadata carries it.
@@ -48,7 +49,9 @@ __all__ = [
     "AutoSPBackend",
     "AutoSPError",
     "CollectiveFailure",
+    "CompileCrashed",
     "CompileFailed",
+    "CompiledWhole",
     "ConfigError",
     "EagerFallback",
     "HardwareProfile",

@@ -14,8 +14,14 @@ import torch.distributed as dist
 
 from autosp import peer_failure
 from autosp.canonical import inputs_in_canonical_order, permuted
-from autosp.compile_agreement import CapturedDigest, SameProgramOnEveryRun, agree_on_compile_joining_runs, program_text
-from autosp.errors import ConfigError
+from autosp.compile_agreement import (
+    WHOLE_MARK,
+    CapturedDigest,
+    SameProgramOnEveryRun,
+    agree_on_compile_joining_runs,
+    program_text,
+)
+from autosp.errors import ConfigError, add_note
 from autosp.guards import CALL_INPUTS, GraphRuns, GuardedCall, guard_compiled, guard_graph, naming_comm_failures
 from autosp.hardware import load_profile
 from autosp.hardware_select import HardwareOption
@@ -27,6 +33,15 @@ from autosp.registry import get_registry
 from autosp.report import Report
 from autosp.rng_check import refuse_divergent_rng
 from autosp.weak_group import WeakGroup
+from autosp.whole import (
+    compile_whole,
+    first_line,
+    is_crash,
+    torch_state_restored,
+    untouched_copy,
+    warn_whole,
+    whole_report,
+)
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -161,8 +176,21 @@ class AutoSPBackend:
     def _compile(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         from autosp.compiler import _is_param, compile_graph
 
+        compile_id = torch._guards.CompileContext.current_compile_id()
+        what = f"graph [{compile_id}]" if compile_id is not None else "a graph"
+        reported = len(self.reports)
+        untouched = untouched_copy(gm)
+
         def compile_it() -> Callable[..., Any]:
-            return compile_graph(gm, example_inputs, self.options, self.registry, self.group, self.world, self.reports)
+            try:
+                with torch_state_restored():
+                    return compile_graph(
+                        gm, example_inputs, self.options, self.registry, self.group, self.world, self.reports
+                    )
+            except Exception as error:
+                if untouched is None or not is_crash(error):
+                    raise
+                return self._compile_whole(untouched, example_inputs, error, reported, what)
 
         names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
         params = [_is_param(n, x) for n, x in zip(names, example_inputs)]
@@ -174,15 +202,13 @@ class AutoSPBackend:
         else:
             # The backward compiles now, not at the first backward, so that a rank whose backward
             # fails to compile fails here, agreed with its peers (see autosp.compile_agreement).
-            compile_id = torch._guards.CompileContext.current_compile_id()
-            what = f"graph [{compile_id}]" if compile_id is not None else "a graph"
-            reported = len(self.reports)
-
             @functools.cache
             def program() -> str:
                 # After the compile: the lowered graph's canonical form is compared (autosp.canonical).
-                lowered = self.reports[reported].lowered if len(self.reports) > reported else None
-                return program_text(gm, example_inputs, self.options, lowered)
+                report = self.reports[reported] if len(self.reports) > reported else None
+                text = program_text(gm, example_inputs, self.options, report.lowered if report else None)
+                # A rank whose compile failed where its peers' did not runs whole: another program.
+                return text + (WHOLE_MARK if report and report.compiled_whole else "")
 
             agreeing = self.sync_group if self.sync_group is not None else self.group
             with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
@@ -217,6 +243,25 @@ class AutoSPBackend:
             # On the SP group: a run's collectives keep to timeout= (the world's may be 30 minutes).
             fn = SameProgramOnEveryRun(fn, self.group, what, program(), digest, skip_first=skip)
         return self.runs.wrap(fn)
+
+    def _compile_whole(
+        self, gm: torch.fx.GraphModule, example_inputs: list[Any], error: Exception, reported: int, what: str
+    ) -> Callable[..., Any]:
+        """``gm`` compiled by torch alone after AutoSP's compile of it raised ``error`` (``autosp.whole``)."""
+        failed = self.reports[reported] if len(self.reports) > reported else None
+        rank = dist.get_rank(self.group) if self.world > 1 else 0
+        report = whole_report(failed, self.options, self.world, rank, error)
+        try:
+            fn = compile_whole(gm, example_inputs, self.options, report)
+        except Exception as whole_error:
+            add_note(error, f"torch's {self.options.backend} alone fails on this graph too: {first_line(whole_error)}")
+            raise error from None
+        if failed is not None:
+            self.reports[reported] = report
+        else:
+            self.reports.append(report)
+        warn_whole(report, error, what)
+        return fn
 
 
 def captured_inputs(

@@ -320,6 +320,10 @@ _HASH_HINT = (
 )
 
 
+# Ends the program text of a graph that AutoSP failed to compile and torch compiled whole (autosp.whole).
+WHOLE_MARK = "\ncompiled whole by torch"
+
+
 def _refuse_other_programs(group: Any, what: str, program: str, error: Exception | None) -> None:
     """Every rank saw the digests differ: name which ranks compiled which program, and the first difference."""
     gathered: list[Any] = [None] * dist.get_world_size(group)
@@ -327,6 +331,15 @@ def _refuse_other_programs(group: Any, what: str, program: str, error: Exception
     texts = [text for text, _ in gathered]
     hashes_differ = len({h for _, h in gathered}) > 1
     ranks = dist.get_process_group_ranks(group)
+    whole = [r for r, text in zip(ranks, texts) if text.endswith(WHOLE_MARK)]
+    if whole:
+        # One program, which AutoSP failed to compile on some ranks only (a rank-dependent size).
+        raise CompileFailed(
+            f"AutoSP failed to compile {what} on global ranks {whole} (their CompiledWhole warning says why) and "
+            f"compiled it on global ranks {[r for r in ranks if r not in whole]}: run whole on some ranks and "
+            "sequence-parallel on the others, it would pair no collectives, so no rank runs it. Please report "
+            "this with the program; sp_size=1 runs it."
+        ) from error
     variants: dict[str, list[int]] = {}
     for rank, text in zip(ranks, texts):
         variants.setdefault(text, []).append(rank)
@@ -346,6 +359,7 @@ def _refuse_other_programs(group: Any, what: str, program: str, error: Exception
 
 
 __all__ = [
+    "WHOLE_MARK",
     "CapturedDigest",
     "CollectiveMismatch",
     "CompileFailed",

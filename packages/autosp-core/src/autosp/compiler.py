@@ -245,10 +245,10 @@ def compile_graph(
     def stage_compiler(stage: Stage):
         def compile_stage(g: torch.fx.GraphModule, ex: Sequence[Any]):
             if stage is Stage.BACKWARD:
-                _donate_nothing()
+                donate_nothing()
             g = manager.run(stage, g, ctx)
             _record_group_ops(ctx, g)
-            _views_as_reshapes(g)
+            views_as_reshapes(g)
             return make_boxed_func(g.forward)
 
         return compile_stage
@@ -271,7 +271,7 @@ def _record_group_ops(ctx: CompileContext, g: torch.fx.GraphModule) -> None:
 _VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
 
 
-def _views_as_reshapes(g: torch.fx.GraphModule) -> None:
+def views_as_reshapes(g: torch.fx.GraphModule) -> None:
     """Run the graph's ``view``s as ``reshape``s: a view where the real tensor allows one, a copy where not.
 
     AOT autograd chose each ``view`` for a layout its fake tensors predicted, and some meta functions
@@ -290,7 +290,7 @@ def _views_as_reshapes(g: torch.fx.GraphModule) -> None:
         g.recompile()
 
 
-def _donate_nothing() -> None:
+def donate_nothing() -> None:
     """``backward(retain_graph=True)`` keeps working on a backward compiled with the forward.
 
     Lazily, torch decides at the first backward whether the backward may reuse the memory of its
@@ -305,4 +305,4 @@ def _donate_nothing() -> None:
         tracing.fw_metadata.bw_donated_idxs = []
 
 
-__all__ = ["compile_graph", "make_context"]
+__all__ = ["compile_graph", "donate_nothing", "make_context", "views_as_reshapes"]

@@ -7,6 +7,17 @@ from typing import Any
 from torch._dynamo.exc import ShortenTraceback
 
 
+def add_note(error: BaseException, note: str) -> None:
+    """``error.add_note(note)``, on Python 3.10 too (which keeps ``__notes__`` but does not print them)."""
+    notes = getattr(error, "__notes__", None)
+    if notes is None:
+        try:
+            error.__notes__ = notes = []  # type: ignore[attr-defined]
+        except AttributeError:
+            return
+    notes.append(note)
+
+
 class AutoSPError(ShortenTraceback):
     """A program or configuration that AutoSP cannot make sequence-parallel as asked.
 

@@ -83,10 +83,25 @@ class AttentionNotSharded(UserWarning):
 
 
 def not_sharded_message(world: int, reports: Sequence[Any]) -> str:
-    notes = [n for r in reports for n in r.notes if "runs whole" in n or "no attention" in n]
+    failed = [r for r in reports if r.compiled_whole]
+    if len(failed) == len(reports):
+        return (
+            f"sp_size={world}, but none of the {len(reports)} compiled graph(s) of this program is "
+            f"sequence-parallel: AutoSP failed to compile them ({failed[0].compiled_whole}), so torch compiled "
+            "them as they are and every rank computes the whole sequence (the results are exact, the memory and "
+            "time are one device's on every rank). The CompiledWhole warning says where it failed; please "
+            "report it with the program."
+        )
+    notes = [n for r in reports if not r.compiled_whole for n in r.notes if "runs whole" in n or "no attention" in n]
+    found = (
+        f"AutoSP failed to compile {len(failed)} of them ({failed[0].compiled_whole}; see the CompiledWhole warning) "
+        "and no attention was found in the others"
+        if failed
+        else "no attention was found in them"
+    )
     return (
         f"sp_size={world}, but none of the {len(reports)} compiled graph(s) of this program is sequence-parallel: "
-        "no attention was found in them, so every rank computes the whole sequence (the results are exact, the "
+        f"{found}, so every rank computes the whole sequence (the results are exact, the "
         "memory and time are one device's on every rank)"
         + (f" ({notes[0]})" if notes else "")
         + ". If the model computes attention in a form AutoSP does not recognise (written attention is found as "

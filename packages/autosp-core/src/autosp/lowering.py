@@ -163,10 +163,14 @@ def lower_to_aten(gm: torch.fx.GraphModule, fake_inputs: Sequence[Any], fake_mod
         return make_fx(functionalize(run, remove="mutations"), pre_dispatch=False)(*fake_inputs)
 
 
+_LEVELS = ("_vmap_increment_nesting", "_grad_increment_nesting", "_jvp_increment_nesting")
+
+
 def _has_vmap(gm: torch.fx.GraphModule) -> bool:
-    """Whether Dynamo put a ``torch.func.vmap`` into ``gm`` or one of its subgraphs."""
+    """Whether Dynamo put a functorch transform (``torch.func.vmap``, or ``grad``, ``vjp``, ``jvp``, which
+    it inlines as levels too) into ``gm`` or one of its subgraphs."""
     return any(
-        node.op == "call_function" and getattr(node.target, "__name__", "") == "_vmap_increment_nesting"
+        node.op == "call_function" and getattr(node.target, "__name__", "") in _LEVELS
         for module in gm.modules()
         if isinstance(module, torch.fx.GraphModule)
         for node in module.graph.nodes

@@ -39,6 +39,8 @@ class Report:
     # The lowered graph's code in canonical form (``autosp.canonical``), which the SP ranks compare;
     # None when the graph was not lowered.
     lowered: str | None = field(default=None, repr=False)
+    # The error that made AutoSP leave this graph to torch, whole on every rank (``autosp.whole``).
+    compiled_whole: str | None = None
 
     def __str__(self) -> str:
         lines = [

@@ -25,6 +25,7 @@ from autosp.lowering import FLEX, SDPA, insert_leaves, leaves_for_kernels, lower
 from autosp.passes.choose_variant import choose_again
 from autosp.passes.fold_attention_batch import FOLD_ATTENTION_BATCH
 from autosp.passes.grad_sync import sync_grads
+from autosp.passes.inline_regions import INLINE_REGIONS
 from autosp.passes.manager import Pass, Stage
 from autosp.passes.tile_loss import TILE_LOSS
 from autosp.passes.tile_mlp import TILE_MLP
@@ -498,6 +499,7 @@ def _sp(ctx: CompileContext) -> bool:
 
 
 PASSES = (
+    INLINE_REGIONS,
     FOLD_ATTENTION_BATCH,
     Pass("autosp.find_attention", Stage.GRAPH, find_attention, doc="find attention sites and their axes"),
     Pass(

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from autosp.analysis.constants import constants, fake_constants
-from autosp.errors import AutoSPError, ConfigError
+from autosp.errors import AutoSPError, ConfigError, add_note
 
 if TYPE_CHECKING:
     from autosp.context import CompileContext
@@ -140,7 +140,11 @@ class PassManager:
                 _dump(debug_dir, ctx, p, "before", gm)
             held = constants(gm)
             start = time.perf_counter()
-            out = p.fn(gm, ctx)
+            try:
+                out = p.fn(gm, ctx)
+            except Exception as e:
+                add_note(e, f"in AutoSP pass {p.name} ({stage.value})")
+                raise
             seconds = time.perf_counter() - start
             if out is not None:
                 if not isinstance(out, torch.fx.GraphModule):
