@@ -28,3 +28,10 @@ def subgroup_timeout(rank: int, world: int, late_s: float) -> tuple[str, float] 
     except RuntimeError as e:
         return str(e), time.monotonic() - start
     return None
+
+
+def string_hashes(cfg: object, rank: int, world: int) -> list[int]:
+    """Every rank's ``hash`` of one string (it differs between processes unless PYTHONHASHSEED is alike)."""
+    hashes: list[object] = [None] * world
+    dist.all_gather_object(hashes, hash("autosp"))
+    return [int(h) for h in hashes]  # type: ignore[call-overload]

@@ -15,11 +15,13 @@ inside AutoSP's compiled collectives (hang, stop, kill) use two SP ranks.
 
 from __future__ import annotations
 
+import os
 import re
 import struct
 import time
 import zipfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import faults_workers
 import pytest
@@ -27,7 +29,7 @@ import torch
 from harness import run_spmd
 
 from autosp_tools import checkpoint
-from autosp_tools.launch import RankFailed
+from autosp_tools.launch import RankFailed, launch
 from autosp_tools.train import TrainConfigError, run
 
 TIMEOUT_S = 8
@@ -163,6 +165,17 @@ def test_killed_rank_then_resume_auto_loses_nothing(
     # Exactly the state saved: the same floats, not merely close ones.
     assert resumed.losses == whole.losses[4:]
     assert checkpoint.load(checkpoint.path_for(ckpt, 6))["losses"] == whole.losses
+
+
+def test_spawned_ranks_hash_strings_alike_and_the_launcher_environment_is_kept(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A set of strings is iterated in one order on every rank (AutoSP compiles a graph break inside
+    such a loop, or random draws in it, only so), and the launcher leaves its own environment as it was."""
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)  # as torchrun and most shells leave it
+    hashes = launch(faults_workers.string_hashes, SimpleNamespace(nproc=2, timeout=60.0))
+    assert len(set(hashes)) == 1, hashes
+    assert "PYTHONHASHSEED" not in os.environ
 
 
 def test_timeout_reaches_subgroups_made_without_one() -> None:

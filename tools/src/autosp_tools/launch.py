@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import random
 import sys
 import tempfile
 import time
@@ -106,13 +107,18 @@ def _worker(
 def _spawn(fn: Callable[[Any, int, int], R], cfg: Any) -> R:
     threads = max(1, (os.cpu_count() or 1) // cfg.nproc)
     # Children read OMP_NUM_THREADS at import; without it each rank would use every core.
-    saved = os.environ.get("OMP_NUM_THREADS")
+    # And PYTHONHASHSEED at start: one seed for all ranks (drawn per job, so hashes stay random),
+    # else a loop over a set of strings (HF Gemma-3's rotary tables) runs in another order on each
+    # rank, which AutoSP compiles as one program only where no graph break or random draw sits inside.
+    given = {name: os.environ.get(name) for name in ("OMP_NUM_THREADS", "PYTHONHASHSEED")}
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    os.environ.setdefault("PYTHONHASHSEED", str(random.SystemRandom().randrange(1, 2**32)))
     try:
         return _spawn_ranks(fn, cfg, threads)
     finally:
-        if saved is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
+        for name, value in given.items():
+            if value is None:
+                os.environ.pop(name, None)
 
 
 def _spawn_ranks(fn: Callable[[Any, int, int], R], cfg: Any, threads: int) -> R:
