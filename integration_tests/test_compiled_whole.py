@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 from harness import run_spmd
-from whole_workers import run_failing
+from whole_workers import run_failing, run_train_step
 
 
 def _cases(world: int) -> list[tuple[str, str, frozenset[tuple[int, int]], bool]]:
@@ -52,6 +52,22 @@ def test_graphs_autosp_fails_to_compile_run_whole_and_exact() -> None:
 
         cond = results["cond"]
         assert not cond["problems"], cond
+
+
+def test_a_whole_training_step_compiled_with_its_optimizer() -> None:
+    """``autosp.compile`` of a step that runs forward, backward and SGD with momentum: the optimizer's
+    graph holds the parameters and momentum buffers as attributes and writes them in place. AutoSP's
+    lowering ran those writes on the real buffers at compile time (its compile then failed, and the
+    graph ran again compiled by torch): a momentum buffer updated twice, every parameter off by 2e-4
+    after two steps, silently. Such a graph goes to torch without AutoSP's lowering, and says so."""
+    per_rank = run_spmd(run_train_step, 2, 3, "ulysses", "aot_eager")
+    for result in per_rank:
+        for eager, compiled in result["losses"]:
+            assert abs(eager - compiled) < 1e-5 * abs(eager), result["losses"]
+        name, error = result["worst"]
+        assert error < 1e-6, (name, error)
+        assert 16 in result["sharded"], result["sharded"]  # the model's graphs are sequence-parallel
+        assert result["notes"] and "param_groups" in " ".join(result["notes"]), result["notes"]
 
 
 @pytest.mark.extended(covered_by="test_graphs_autosp_fails_to_compile_run_whole_and_exact")

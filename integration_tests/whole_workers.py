@@ -103,3 +103,39 @@ def run_failing(
             "warned": [(w.category.__name__, str(w.message)) for w in caught],
         }
     return results
+
+
+def run_train_step(rank: int, world: int, steps: int, variant: str, backend: str) -> dict[str, Any]:
+    """A whole training step compiled (forward, backward, SGD with momentum, zero_grad), ``steps`` times,
+    against the same step in eager: the losses, and every parameter after the last step."""
+
+    def train_step(model: nn.Module, opt: torch.optim.Optimizer) -> Any:
+        def step(ids: torch.Tensor) -> torch.Tensor:
+            loss = model(ids)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss.detach()
+
+        return step
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = TwoGraphs()
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(3))
+    eager = train_step(reference, torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9))
+    compiled = autosp.compile(
+        train_step(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)), variant=variant, backend=backend
+    )
+    losses = []
+    with caches_off():
+        for _ in range(steps):
+            losses.append((float(eager(ids)), float(compiled(ids))))
+    errors = {n: (p - q).abs().max().item() for (n, p), q in zip(model.named_parameters(), reference.parameters())}
+    return {
+        "losses": losses,
+        "worst": max(errors.items(), key=lambda kv: kv[1]),
+        "notes": [n for r in compiled.autosp_reports for n in r.notes if "holds as attributes" in n],
+        "sharded": [r.seq_len for r in compiled.autosp_reports],
+    }

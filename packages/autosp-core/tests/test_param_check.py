@@ -111,3 +111,18 @@ def test_a_row_added_to_a_table_is_compared() -> None:
     assert not torch.equal(sample(table), sample(other))
     assert sample(table).numel() <= SAMPLE + table.shape[0]
     assert torch.equal(sample(torch.arange(10.0)), torch.arange(10.0))  # small: all of it
+
+
+def test_a_new_tensor_where_the_last_one_was_is_fingerprinted_anew() -> None:
+    """Gradients made anew each step can land at the address of the last ones, at version 0: the
+    cache must not take the new tensor for the old (a whole step compiled with AdamW was refused)."""
+    from autosp.param_check import FingerprintCache
+
+    cache = FingerprintCache()
+    grad = torch.zeros(64)
+    (first,) = cache([("w.grad", grad)])
+    grad.data.fill_(1.0)  # new contents without a new version: as a fresh tensor at that address
+    again = grad.view(64)  # another tensor object, same address, same version counter
+    (second,) = cache([("w.grad", again)])
+    assert first != second
+    assert cache([("w.grad", again)]) == [second]  # the same tensor again: from the cache

@@ -13,7 +13,7 @@ from _core_helpers import capture_graphs
 
 from autosp.analysis.source import user_line
 from autosp.errors import AutoSPError
-from autosp.untracked_writes import refuse_untracked_writes
+from autosp.untracked_writes import refuse_untracked_writes, writes_held_tensors
 
 
 class Net(torch.nn.Module):
@@ -49,6 +49,9 @@ class Net(torch.nn.Module):
             h = h * 1
             h.mul_(2)  # grad mode on: autograd records it, as in any program
             h += 1
+        elif self.kind == "foreach-no-grad":  # an EMA of the weights through torch's foreach ops
+            with torch.no_grad():
+                torch._foreach_mul_([self.lin.weight, self.lin.bias], 0.99)
         elif self.kind == "fresh-no-grad":
             with torch.no_grad():
                 t = h.clone()
@@ -57,7 +60,7 @@ class Net(torch.nn.Module):
         return h.sum()
 
 
-REFUSED = ["clamp-no-grad", "setitem-no-grad", "param-no-grad", "detached-alias", "view-no-grad"]
+REFUSED = ["clamp-no-grad", "setitem-no-grad", "param-no-grad", "detached-alias", "view-no-grad", "foreach-no-grad"]
 ACCEPTED = ["buffers", "recorded", "fresh-no-grad"]
 
 
@@ -88,3 +91,24 @@ def test_the_refused_programs_do_differ_from_their_written_out_gradient():
     model.zero_grad()
     model.lin(x).clamp(-0.1, 0.1).sum().backward()
     assert not torch.allclose(eager, model.lin.weight.grad)
+
+
+def test_an_optimizer_step_writes_the_tensors_its_graph_holds() -> None:
+    """Dynamo keeps an optimizer's parameters and state in the graph module (get_attr), not as inputs:
+    AutoSP's lowering would run writes into them for real, so such graphs are left to torch."""
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    graphs: list[torch.fx.GraphModule] = []
+
+    def record(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    step = torch.compile(opt.step, backend=record)
+    for _ in range(2):  # the second step has momentum buffers to write too
+        model(torch.randn(2, 4)).sum().backward()
+        step()
+    held = writes_held_tensors(graphs[-1])
+    assert len(held) == 4 and sum("momentum_buffer" in h or "state" in h for h in held) == 2, held
+    assert writes_held_tensors(dynamo_graph(Net("buffers"))) == []  # buffers are lifted inputs there

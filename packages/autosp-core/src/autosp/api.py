@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from datetime import timedelta
@@ -22,7 +23,15 @@ from autosp.compile_agreement import (
     program_text,
 )
 from autosp.errors import ConfigError, add_note
-from autosp.guards import CALL_INPUTS, GraphRuns, GuardedCall, guard_compiled, guard_graph, naming_comm_failures
+from autosp.guards import (
+    CALL_INPUTS,
+    AttentionNotSharded,
+    GraphRuns,
+    GuardedCall,
+    guard_compiled,
+    guard_graph,
+    naming_comm_failures,
+)
 from autosp.hardware import load_profile
 from autosp.hardware_select import HardwareOption
 from autosp.inductor_options import inductor_config
@@ -32,15 +41,18 @@ from autosp.param_check import ParameterCheck, StateDigest, check_state_on_first
 from autosp.registry import get_registry
 from autosp.report import Report
 from autosp.rng_check import refuse_divergent_rng
+from autosp.untracked_writes import writes_held_tensors
 from autosp.weak_group import WeakGroup
 from autosp.whole import (
     compile_whole,
     first_line,
+    has_attention,
     is_crash,
     torch_state_restored,
     untouched_copy,
     warn_whole,
     whole_report,
+    why_whole,
 )
 
 if TYPE_CHECKING:
@@ -179,9 +191,13 @@ class AutoSPBackend:
         compile_id = torch._guards.CompileContext.current_compile_id()
         what = f"graph [{compile_id}]" if compile_id is not None else "a graph"
         reported = len(self.reports)
-        untouched = untouched_copy(gm)
+        # Lowering would run writes into real tensors the graph holds: left to torch, whole.
+        held = writes_held_tensors(gm) if self.world > 1 else []
+        untouched = untouched_copy(gm) if not held else None
 
         def compile_it() -> Callable[..., Any]:
+            if held:
+                return self._compile_holding_writes(gm, example_inputs, held, what)
             try:
                 with torch_state_restored():
                     return compile_graph(
@@ -243,6 +259,26 @@ class AutoSPBackend:
             # On the SP group: a run's collectives keep to timeout= (the world's may be 30 minutes).
             fn = SameProgramOnEveryRun(fn, self.group, what, program(), digest, skip_first=skip)
         return self.runs.wrap(fn)
+
+    def _compile_holding_writes(
+        self, gm: torch.fx.GraphModule, example_inputs: list[Any], held: list[str], what: str
+    ) -> Callable[..., Any]:
+        """``gm`` writes into tensors it holds (``writes_held_tensors``): torch compiles it, whole."""
+        from autosp.compiler import new_graph_id
+
+        rank = dist.get_rank(self.group) if self.world > 1 else 0
+        report = Report(new_graph_id(), self.options.variant, self.world, rank, self.options.backend)
+        shown = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
+        report.notes.append(
+            f"writes in place into {len(held)} tensor(s) the graph holds as attributes ({shown}; an optimizer's "
+            "state and parameters, when a whole training step is compiled): AutoSP's lowering would run those "
+            f"writes at compile time, so {why_whole(report)}"
+        )
+        self.reports.append(report)
+        fn = compile_whole(gm, example_inputs, self.options, report)
+        if has_attention(gm):
+            warnings.warn(f"{what} {report.notes[-1]}", AttentionNotSharded, stacklevel=3)
+        return fn
 
     def _compile_whole(
         self, gm: torch.fx.GraphModule, example_inputs: list[Any], error: Exception, reported: int, what: str

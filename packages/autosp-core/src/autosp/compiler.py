@@ -75,7 +75,7 @@ def make_context(
     names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
     fakes, fake_mode = _fake_inputs(gm, example_inputs)
     variant = registry.variant(options.variant) if world > 1 else None
-    graph_id = next(_graph_ids)
+    graph_id = new_graph_id()
     report = Report(graph_id, options.variant, world, rank, options.backend)
     ctx = CompileContext(
         options=options,
@@ -95,6 +95,11 @@ def make_context(
     )
     ctx.hardware, report.hardware = resolve_hardware(options.hardware, ctx.device, registry)
     return ctx
+
+
+def new_graph_id() -> int:
+    """The id of a graph compiled now (``Report.graph_id``), in the order of compiles."""
+    return next(_graph_ids)
 
 
 def _package_dir(fn: Callable[..., Any]) -> Path:
@@ -305,4 +310,4 @@ def donate_nothing() -> None:
         tracing.fw_metadata.bw_donated_idxs = []
 
 
-__all__ = ["compile_graph", "donate_nothing", "make_context", "views_as_reshapes"]
+__all__ = ["compile_graph", "donate_nothing", "make_context", "new_graph_id", "views_as_reshapes"]

@@ -22,7 +22,7 @@ import logging
 import re
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -530,7 +530,8 @@ def check_backward(check: InputCheck, out: Any) -> None:
             except GradientMismatchError as e:
                 raise GradientMismatch(str(e)) from None
 
-        return at_backward
+        # Not traced by Dynamo when the backward runs from a compiled frame (see peer_failure's wrapper).
+        return cast("Callable[[tuple[Any, ...]], None]", torch.compiler.disable(at_backward, recursive=True))
 
     for node, nrs in slots.values():
         node.register_prehook(before(nrs))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import re
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -170,20 +171,32 @@ class StateDigest:
 
 class FingerprintCache:
     """Sample fingerprints of named tensors, each recomputed only when its tensor changed since the
-    last call (its version counter, storage, shape or dtype); the changed ones in one transfer."""
+    last call (another tensor, or its version counter, storage, shape or dtype); the changed ones in
+    one transfer.
+
+    Another tensor counts even at the same address with the same version: gradients made anew each
+    step (``zero_grad(set_to_none=True)``, then a backward) often land where the last ones were, at
+    version 0, and were taken for them on some ranks only (a whole training step compiled with AdamW
+    was refused: ``ParameterMismatch`` on ``.grad`` tensors equal on every rank).
+    """
 
     def __init__(self) -> None:
-        self.cache: dict[str, tuple[tuple[Any, ...], int]] = {}
+        self.cache: dict[str, tuple[tuple[Any, ...], weakref.ref[torch.Tensor], int]] = {}
 
     def __call__(self, named: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[str, int]]:
         keys = [(t._version, t.data_ptr(), tuple(t.shape), t.dtype) for _, t in named]
-        stale = [i for i, ((name, _), key) in enumerate(zip(named, keys)) if self.cache.get(name, (None,))[0] != key]
+        stale = [i for i, ((name, t), key) in enumerate(zip(named, keys)) if not self._fresh(name, t, key)]
         if stale:
             device = named[stale[0]][1].device
             fps = torch.stack([fingerprint(sample(named[i][1])).to(device) for i in stale]).tolist()
             for i, fp in zip(stale, fps):
-                self.cache[named[i][0]] = (keys[i], fp)
-        return [(name, self.cache[name][1]) for name, _ in named]
+                name, t = named[i]
+                self.cache[name] = (keys[i], weakref.ref(t), fp)
+        return [(name, self.cache[name][2]) for name, _ in named]
+
+    def _fresh(self, name: str, t: torch.Tensor, key: tuple[Any, ...]) -> bool:
+        held = self.cache.get(name)
+        return held is not None and held[0] == key and held[1]() is t
 
 
 def _plain_tensor(x: Any) -> bool:

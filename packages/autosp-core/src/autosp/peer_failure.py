@@ -324,6 +324,12 @@ def announce_backward_of(
 def _announcing_backward(
     backward: Callable[..., Any], in_backward: Callable[[], contextlib.AbstractContextManager[Any]]
 ) -> Callable[..., Any]:
+    # Never traced by Dynamo, nor anything it calls: a backward run from a compiled frame (torch.compile
+    # of a whole training step, ``loss.backward()`` at its graph break) has Dynamo's frame callback
+    # active, which took this wrapper and the compiled backward graph's own code (aot_eager's
+    # ``GraphModule.forward``) for user code, and compiled that graph again as a new SP program,
+    # its saved shards taken for whole inputs.
+    @torch.compiler.disable(recursive=True)
     @functools.wraps(backward)
     def run(ctx: Any, *grads: Any) -> Any:
         try:

@@ -48,7 +48,16 @@ def _writes(node: torch.fx.Node) -> bool:
         name = getattr(node.target, "__name__", "")
     else:
         return False
+    if name.startswith("_foreach_"):  # an optimizer's updates: torch._foreach_add_(params, ...)
+        return name.endswith("_")
     return name.endswith("_") and not name.startswith("_") and name not in _NOT_WRITES
+
+
+def _written(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The nodes ``node`` writes into: its first argument, or each of a list of them (``_foreach_*_``)."""
+    first = node.args[0]
+    targets = first if isinstance(first, (list, tuple)) else [first]
+    return [t for t in targets if isinstance(t, torch.fx.Node)]
 
 
 def _value(n: object) -> torch.Tensor | None:
@@ -61,6 +70,33 @@ def _storage(t: torch.Tensor) -> StorageWeakRef | None:
         return StorageWeakRef(t.untyped_storage())
     except (NotImplementedError, RuntimeError):  # a tensor without storage (a sparse or nested one)
         return None
+
+
+def writes_held_tensors(gm: torch.fx.GraphModule) -> list[str]:
+    """Tensors ``gm`` (or a subgraph) holds as attributes and writes in place, by attribute name.
+
+    Dynamo keeps some real tensors in the graph module rather than lifting them as inputs: an
+    optimizer's parameters and state (``torch.compile`` of a whole training step). Lowering runs the
+    graph on fake inputs, but such a tensor is the real one, and a write into it ran for real at
+    compile time: an SGD momentum buffer updated once more than the program asked, silently.
+    """
+    found: set[str] = set()
+    for module in gm.modules():
+        if not isinstance(module, torch.fx.GraphModule):
+            continue
+        held = {
+            storage: str(n.target)
+            for n in module.graph.nodes
+            if n.op == "get_attr" and (v := _value(n)) is not None and (storage := _storage(v)) is not None
+        }
+        if not held:
+            continue
+        for node in module.graph.nodes:
+            if node.args and _writes(node):
+                found.update(
+                    held[s] for t in _written(node) if (v := _value(t)) is not None and (s := _storage(v)) in held
+                )
+    return sorted(found)
 
 
 def refuse_untracked_writes(
@@ -84,10 +120,10 @@ def refuse_untracked_writes(
                 continue
             if not node.args or not _writes(node):
                 continue
-            target = _value(node.args[0])
-            if target is None or _storage(target) not in tracked:
+            targets = [v for t in _written(node) if (v := _value(t)) is not None and _storage(v) in tracked]
+            if not targets:
                 continue
-            if enabled and target.requires_grad:
+            if enabled and all(t.requires_grad for t in targets):
                 continue  # recorded by autograd, as any in-place op of the program
             line = where(node) if where else None
             raise AutoSPError(
@@ -101,4 +137,4 @@ def refuse_untracked_writes(
             )
 
 
-__all__ = ["refuse_untracked_writes"]
+__all__ = ["refuse_untracked_writes", "writes_held_tensors"]

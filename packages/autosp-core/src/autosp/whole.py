@@ -98,6 +98,19 @@ def torch_state_restored() -> Iterator[None]:
             raise
 
 
+def has_attention(gm: torch.fx.GraphModule) -> bool:
+    """Whether ``gm`` (or a subgraph) calls SDPA or FlexAttention, as Dynamo records them."""
+    from autosp.lowering import FLEX, SDPA
+
+    targets = (*SDPA.targets, *FLEX.targets)
+    return any(
+        n.op == "call_function" and n.target in targets
+        for m in gm.modules()
+        if isinstance(m, torch.fx.GraphModule)
+        for n in m.graph.nodes
+    )
+
+
 def is_crash(error: BaseException) -> bool:
     """Whether ``error`` is a failure of AutoSP's machinery, not a refusal or a failed collective."""
     return (
