@@ -77,3 +77,12 @@ def test_a_graph_run_whole_beside_ring_graphs_under_inductor_on_four_ranks() -> 
     for results in per_rank:
         assert not results["second-whole"]["problems"] and results["second-whole"]["sharded"] == [16, None]
         assert not results["cond"]["problems"], results["cond"]
+
+
+@pytest.mark.extended(covered_by="test_a_whole_training_step_compiled_with_its_optimizer")
+def test_a_whole_training_step_on_four_ranks_under_inductor() -> None:
+    for result in run_spmd(run_train_step, 4, 3, "hybrid", "inductor"):
+        for eager, compiled in result["losses"]:
+            assert abs(eager - compiled) < 1e-5 * abs(eager), result["losses"]
+        assert result["worst"][1] < 1e-6, result["worst"]
+        assert 16 in result["sharded"], result["sharded"]
