@@ -91,12 +91,12 @@ def test_refusals_are_raised_not_compiled_whole(crashing_pass) -> None:
 
 
 def test_a_graph_torch_cannot_compile_either_raises_autosps_error(crashing_pass, monkeypatch) -> None:
-    import autosp.api
+    import autosp.whole
 
     def fails(*args: object, **kwargs: object) -> None:
         raise TypeError("torch fails too")
 
-    monkeypatch.setattr(autosp.api, "compile_whole", fails)
+    monkeypatch.setattr(autosp.whole, "compile_whole", fails)
     crashing_pass.append(RuntimeError("internal assert in a pass"))
     compiled = autosp.compile(TinyAttention(), sp_size=1, backend="aot_eager")
     with pytest.raises(Exception, match="internal assert in a pass") as caught:

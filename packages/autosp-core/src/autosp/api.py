@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import os
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from datetime import timedelta
@@ -22,16 +21,8 @@ from autosp.compile_agreement import (
     agree_on_compile_joining_runs,
     program_text,
 )
-from autosp.errors import ConfigError, add_note
-from autosp.guards import (
-    CALL_INPUTS,
-    AttentionNotSharded,
-    GraphRuns,
-    GuardedCall,
-    guard_compiled,
-    guard_graph,
-    naming_comm_failures,
-)
+from autosp.errors import ConfigError
+from autosp.guards import CALL_INPUTS, GraphRuns, GuardedCall, guard_compiled, guard_graph, naming_comm_failures
 from autosp.hardware import load_profile
 from autosp.hardware_select import HardwareOption
 from autosp.inductor_options import inductor_config
@@ -44,15 +35,13 @@ from autosp.rng_check import refuse_divergent_rng
 from autosp.untracked_writes import writes_held_tensors
 from autosp.weak_group import WeakGroup
 from autosp.whole import (
-    compile_whole,
-    first_line,
-    has_attention,
+    compile_after_crash,
+    compile_holding_writes,
     is_crash,
     torch_state_restored,
     untouched_copy,
     warn_whole,
     whole_report,
-    why_whole,
 )
 
 if TYPE_CHECKING:
@@ -266,38 +255,26 @@ class AutoSPBackend:
         """``gm`` writes into tensors it holds (``writes_held_tensors``): torch compiles it, whole."""
         from autosp.compiler import new_graph_id
 
-        rank = dist.get_rank(self.group) if self.world > 1 else 0
-        report = Report(new_graph_id(), self.options.variant, self.world, rank, self.options.backend)
-        shown = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
-        report.notes.append(
-            f"writes in place into {len(held)} tensor(s) the graph holds as attributes ({shown}; an optimizer's "
-            "state and parameters, when a whole training step is compiled): AutoSP's lowering would run those "
-            f"writes at compile time, so {why_whole(report)}"
-        )
+        report = Report(new_graph_id(), self.options.variant, self.world, self._rank(), self.options.backend)
         self.reports.append(report)
-        fn = compile_whole(gm, example_inputs, self.options, report)
-        if has_attention(gm):
-            warnings.warn(f"{what} {report.notes[-1]}", AttentionNotSharded, stacklevel=3)
-        return fn
+        return compile_holding_writes(gm, example_inputs, self.options, report, held, what)
 
     def _compile_whole(
         self, gm: torch.fx.GraphModule, example_inputs: list[Any], error: Exception, reported: int, what: str
     ) -> Callable[..., Any]:
         """``gm`` compiled by torch alone after AutoSP's compile of it raised ``error`` (``autosp.whole``)."""
         failed = self.reports[reported] if len(self.reports) > reported else None
-        rank = dist.get_rank(self.group) if self.world > 1 else 0
-        report = whole_report(failed, self.options, self.world, rank, error)
-        try:
-            fn = compile_whole(gm, example_inputs, self.options, report)
-        except Exception as whole_error:
-            add_note(error, f"torch's {self.options.backend} alone fails on this graph too: {first_line(whole_error)}")
-            raise error from None
+        report = whole_report(failed, self.options, self.world, self._rank(), error)
+        fn = compile_after_crash(gm, example_inputs, self.options, report, error)
         if failed is not None:
             self.reports[reported] = report
         else:
             self.reports.append(report)
         warn_whole(report, error, what)
         return fn
+
+    def _rank(self) -> int:
+        return dist.get_rank(self.group) if self.world > 1 else 0
 
 
 def captured_inputs(

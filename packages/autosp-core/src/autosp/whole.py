@@ -32,7 +32,7 @@ from typing import Any, cast
 
 import torch
 
-from autosp.errors import AutoSPError
+from autosp.errors import AutoSPError, add_note
 from autosp.options import SPOptions
 from autosp.passes.collective_order import group_op_sequence, group_size_label
 from autosp.peer_failure import is_comm_failure
@@ -163,6 +163,41 @@ def compile_whole(
     return aot_module_simplified(gm, list(example_inputs), fw_compiler=stage(False), bw_compiler=stage(True))
 
 
+def compile_after_crash(
+    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: SPOptions, report: Report, error: Exception
+) -> Callable[..., Any]:
+    """``compile_whole`` after AutoSP's compile raised ``error``; ``error`` itself where torch fails too."""
+    try:
+        return compile_whole(gm, example_inputs, options, report)
+    except Exception as whole_error:
+        add_note(error, f"torch's {options.backend} alone fails on this graph too: {first_line(whole_error)}")
+        raise error from None
+
+
+def compile_holding_writes(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    options: SPOptions,
+    report: Report,
+    held: Sequence[str],
+    what: str,
+) -> Callable[..., Any]:
+    """``compile_whole`` of a graph that writes into tensors it holds (``writes_held_tensors``), said in
+    ``report`` (and warned where the graph holds attention, which then runs whole too)."""
+    shown = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
+    report.notes.append(
+        f"writes in place into {len(held)} tensor(s) the graph holds as attributes ({shown}; an optimizer's "
+        "state and parameters, when a whole training step is compiled): AutoSP's lowering would run those "
+        f"writes at compile time, so {why_whole(report)}"
+    )
+    fn = compile_whole(gm, example_inputs, options, report)
+    if has_attention(gm):
+        from autosp.guards import AttentionNotSharded
+
+        warnings.warn(f"{what} {report.notes[-1]}", AttentionNotSharded, stacklevel=4)
+    return fn
+
+
 def whole_report(failed: Report | None, options: SPOptions, world: int, rank: int, error: BaseException) -> Report:
     """The report of a graph compiled whole after ``error``: ``failed``'s identity, none of its findings."""
     graph_id = failed.graph_id if failed is not None else -1
@@ -208,7 +243,10 @@ def _where(error: BaseException) -> str:
 __all__ = [
     "CompileCrashed",
     "CompiledWhole",
+    "compile_after_crash",
+    "compile_holding_writes",
     "compile_whole",
+    "has_attention",
     "is_crash",
     "torch_state_restored",
     "untouched_copy",
