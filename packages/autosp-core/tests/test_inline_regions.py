@@ -70,3 +70,22 @@ def test_a_region_called_inside_a_region_is_inlined_too() -> None:
     assert _invokes(top) == 0
     torch.testing.assert_close(top(x), expected)
     torch.testing.assert_close(expected[0], torch.sin((torch.relu(x) + x) * 2.0))
+
+
+def test_writes_whose_results_go_unused_stay() -> None:
+    """FX counts a method call such as ``buf.add_(1)`` pure: dead-code elimination after the inlining
+    would drop a buffer's update whose result the program does not use."""
+
+    def program(x: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+        buf.add_(1.0)
+        return _block(_block(x, x), x)
+
+    x, buf = torch.randn(4, 4), torch.zeros(3)
+    (gm,), _ = capture_graphs(program, x, buf)
+    assert _invokes(gm) >= 1
+    inline_regions(gm, None)
+    assert _invokes(gm) == 0
+    order = [n.name.removeprefix("l_").removesuffix("_") for n in gm.graph.nodes if n.op == "placeholder"]
+    fresh = torch.zeros(3)
+    gm(*({"x": x, "buf": fresh}[name] for name in order))
+    assert fresh.tolist() == [1.0, 1.0, 1.0]

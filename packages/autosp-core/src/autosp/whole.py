@@ -2,9 +2,10 @@
 
 AutoSP lowers each Dynamo graph itself (``autosp.lowering``), rewrites it and hands it to AOT
 autograd; torch's own compile takes the graph as Dynamo made it. Programs exist that torch compiles
-and AutoSP's machinery cannot: higher-order ops whose tracing AutoSP's lowering does not reach
-(``torch.cond``'s backward, ``nested_compile_region``), ``torch.func.vjp`` inside the model. Such a
-crash used to end the user's step with an internal error of torch, a refusal that names no way out.
+and AutoSP's machinery cannot (today ``torch.cond`` over parameters, whose backward AutoSP's lowering
+traces into branches torch rejects; ``nested_compile_region`` and ``torch.func.vjp`` in the model were
+such crashes until the lowering learnt them). A crash used to end the user's step with an internal
+error of torch, a refusal that names no way out.
 
 Every rank computing the whole program on the same full inputs is the program itself, so the
 graph is compiled as ``torch.compile`` would (the same backend, no AutoSP pass) and runs whole: its
@@ -19,6 +20,11 @@ bug of a pass).
 Errors AutoSP raises on purpose (``AutoSPError``: a refusal, a mismatch between ranks) and failed
 collectives are never taken for such a crash. A graph torch cannot compile either raises AutoSP's
 error, as before.
+
+A graph that writes into tensors it holds (an optimizer's state, ``writes_held_tensors``) is never
+lowered at all: the lowering would run those writes on the real tensors. It is compiled here too
+(``compile_holding_writes``), said in its report, and warned only where the graph holds attention
+(an optimizer's graph holds no sequence work).
 """
 
 from __future__ import annotations
@@ -200,7 +206,9 @@ def compile_holding_writes(
 
 def whole_report(failed: Report | None, options: SPOptions, world: int, rank: int, error: BaseException) -> Report:
     """The report of a graph compiled whole after ``error``: ``failed``'s identity, none of its findings."""
-    graph_id = failed.graph_id if failed is not None else -1
+    from autosp.compiler import new_graph_id
+
+    graph_id = failed.graph_id if failed is not None else new_graph_id()
     report = Report(graph_id, options.variant, world, rank, options.backend)
     report.compiled_whole = first_line(error)
     report.notes.append(f"AutoSP failed to compile this graph ({_where(error)}): {why_whole(report)}")

@@ -39,15 +39,17 @@ def _inline_in(module: fx.GraphModule) -> bool:
             continue
         if any(u.target is not operator.getitem for u in node.users) or node.args[0].op != "get_attr":
             continue  # not the form Dynamo makes: left to the lowering, which says what fails
-        body = getattr(module, node.args[0].target)
-        outputs = _copy_body(module, node, body)
+        getter = node.args[0]
+        outputs = _copy_body(module, node, getattr(module, getter.target))
         for user in list(node.users):
             user.replace_all_uses_with(outputs[user.args[1]])
             module.graph.erase_node(user)
         module.graph.erase_node(node)
+        # Only the body's getter goes: dead-code elimination would also drop the graph's in-place
+        # method calls whose results go unused (``buf.add_(1)``), which FX counts as pure.
+        if not getter.users:
+            module.graph.erase_node(getter)
         changed = True
-    if changed:
-        module.graph.eliminate_dead_code()  # the get_attr of the body, now unused
     return changed
 
 
