@@ -8,9 +8,8 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from cases import caches_off
-from probe_models import DIM, VOCAB, Attn
+from probe_models import DIM, VOCAB, Attn, LMBase
 from probe_workers import differences, step
 
 import autosp
@@ -18,41 +17,36 @@ from autosp.passes.manager import Pass, Stage
 from autosp.registry import get_registry
 
 
-class TwoGraphs(nn.Module):
+class TwoGraphs(LMBase):
     """Two attention blocks with a graph break between them: an SP graph and another one, which the
     failing pass may leave whole; the activations and their gradients cross the break."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.embed = nn.Embedding(VOCAB, DIM)
         self.blocks = nn.ModuleList(Attn() for _ in range(2))
-        self.head = nn.Linear(DIM, VOCAB)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.embed(ids)
         x = x + self.blocks[0](x)
         torch._dynamo.graph_break()
         x = x + self.blocks[1](x)
-        return F.cross_entropy(self.head(x)[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+        return self.lm_loss(x, ids)
 
 
-class CondBranch(nn.Module):
+class CondBranch(LMBase):
     """``torch.cond`` on a parameter between two branches over the sequence-sharded activations: AutoSP's
     lowering traced its backward into branches of different strides (torch refused it)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.embed = nn.Embedding(VOCAB, DIM)
-        self.attn = Attn()
         self.gate = nn.Parameter(torch.tensor([0.3]))
         self.up, self.down = nn.Linear(DIM, DIM), nn.Linear(DIM, DIM)
-        self.head = nn.Linear(DIM, VOCAB)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.embed(ids)
         x = x + self.attn(x)
         x = torch.cond(self.gate.sum() > 0, lambda t: t + self.up(t), lambda t: t - self.down(t), (x,))
-        return F.cross_entropy(self.head(x)[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+        return self.lm_loss(x, ids)
 
 
 PROGRAMS = {"two-graphs": TwoGraphs, "cond": CondBranch}

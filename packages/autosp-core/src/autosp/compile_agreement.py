@@ -48,7 +48,7 @@ import torch.distributed as dist
 from autosp import peer_failure
 from autosp.analysis.attention import hint, hints
 from autosp.canonical import program_code
-from autosp.errors import AutoSPError
+from autosp.errors import AutoSPError, first_line
 from autosp.guards import CollectiveFailure, comm_failure_message, is_comm_failure
 from autosp.input_check import collective_device
 from autosp.param_check import FingerprintCache, ParameterMismatch, mismatch_message
@@ -96,11 +96,6 @@ def program_text(
     return _ADDRESS.sub("0x..", f"graph inputs: {inputs}\noptions: {opts!r}\n{code}")
 
 
-def _first_line(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {lines[0] if lines else ''}"
-
-
 def agree_on_compile(
     compile_fn: Callable[[], T],
     group: Any,
@@ -146,7 +141,7 @@ def agree_on_compile_joining_runs(
     if failed == 0:
         return result, running
     lines: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(lines, None if error is None else _first_line(error), group=group)
+    dist.all_gather_object(lines, None if error is None else first_line(error), group=group)
     if error is not None:
         raise error
     raise _compile_failed(what, group, lines, "compiled on this rank")

@@ -7,6 +7,12 @@ from typing import Any
 from torch._dynamo.exc import ShortenTraceback
 
 
+def first_line(error: BaseException) -> str:
+    """``"Type: first line of the message"``: an error as one line, for messages that name several."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
+
+
 def add_note(error: BaseException, note: str) -> None:
     """``error.add_note(note)``, on Python 3.10 too (which keeps ``__notes__`` but does not print them)."""
     notes = getattr(error, "__notes__", None)

@@ -38,7 +38,7 @@ from typing import Any, cast
 
 import torch
 
-from autosp.errors import AutoSPError, add_note
+from autosp.errors import AutoSPError, add_note, first_line
 from autosp.options import SPOptions
 from autosp.passes.collective_order import group_op_sequence, group_size_label
 from autosp.peer_failure import is_comm_failure
@@ -59,11 +59,6 @@ class CompileCrashed(AutoSPError):
     def __init__(self, message: str, error: BaseException) -> None:
         super().__init__(message)
         self.error = error
-
-
-def first_line(error: BaseException) -> str:
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0] if lines else ''}"[:300]
 
 
 def untouched_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule | None:
@@ -176,7 +171,7 @@ def compile_after_crash(
     try:
         return compile_whole(gm, example_inputs, options, report)
     except Exception as whole_error:
-        add_note(error, f"torch's {options.backend} alone fails on this graph too: {first_line(whole_error)}")
+        add_note(error, f"torch's {options.backend} alone fails on this graph too: {first_line(whole_error)[:300]}")
         raise error from None
 
 
@@ -210,7 +205,7 @@ def whole_report(failed: Report | None, options: SPOptions, world: int, rank: in
 
     graph_id = failed.graph_id if failed is not None else new_graph_id()
     report = Report(graph_id, options.variant, world, rank, options.backend)
-    report.compiled_whole = first_line(error)
+    report.compiled_whole = first_line(error)[:300]
     report.notes.append(f"AutoSP failed to compile this graph ({_where(error)}): {why_whole(report)}")
     return report
 
@@ -245,7 +240,7 @@ def warn_whole(report: Report, error: BaseException, what: str) -> None:
 
 def _where(error: BaseException) -> str:
     notes = [n for n in getattr(error, "__notes__", ()) if n.startswith("in AutoSP pass")]
-    return first_line(error) + (f", {notes[0]}" if notes else "")
+    return first_line(error)[:300] + (f", {notes[0]}" if notes else "")
 
 
 __all__ = [
