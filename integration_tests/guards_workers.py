@@ -308,6 +308,11 @@ def input_faults(rank: int, world: int) -> dict[str, Any]:
     with torch.no_grad():
         weight.copy_(saved)  # its version moved on; its values agree again
     out["agree_again"] = attempt(lambda: stepped(_ids(2, 32), _ids(2, 32)))
+    # A hand-written SGD step through .data on rank 1 alone: no version counter moves.
+    if rank == 1:
+        for p in model.parameters():
+            p.data -= 0.1 * p.data.sign()
+    out["data_written_apart"] = attempt(lambda: stepped(_ids(2, 32), _ids(2, 32)))
 
     # Ranks seeded apart (seed + rank) with dropout in the program: a mask on the pooled vector
     # would differ between the ranks. Without dropout the same seeding is fine.

@@ -193,6 +193,10 @@ def test_weights_that_part_after_the_first_call_are_refused(faults):
     # Values are compared, not versions: once they agree again, the program runs again.
     assert all(r["agree_again"]["error"] is None for r in faults), [r["agree_again"] for r in faults]
     assert faults[0]["agree_again"]["loss"] == faults[1]["agree_again"]["loss"]
+    # Written through .data on rank 1 alone (a hand-written optimizer): no version counter moved,
+    # and the ranks once ran on with other weights, silently.
+    for r in faults:
+        _error(r["data_written_apart"], "ParameterMismatch", r"blocks\.0\.q\.weight: rank 0 / rank 1\n")
 
 
 def test_ranks_seeded_apart_are_refused_when_the_program_draws_random_numbers(faults):

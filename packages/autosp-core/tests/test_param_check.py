@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
 
-from autosp.param_check import SAMPLE, ParameterCheck, ParameterMismatch, state_name
+from autosp.param_check import ParameterCheck, ParameterMismatch, state_name
+from autosp.sample_digest import SAMPLE
 from autosp.sharding.testing.threads import collectives_issued, simulate
 
 
@@ -67,17 +70,13 @@ def test_state_names_read_like_the_model(placeholder: str, name: str) -> None:
     assert state_name(placeholder) == name
 
 
-def test_state_digest_refingerprints_only_what_changed(monkeypatch) -> None:
+def test_state_digest_reads_every_tensor_afresh_at_every_call() -> None:
     from autosp import param_check
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
     digest = param_check.StateDigest(model)
-    calls: list[tuple[int, ...]] = []
-    real = param_check.fingerprint
-    monkeypatch.setattr(param_check, "fingerprint", lambda t: calls.append(tuple(t.shape)) or real(t))
     first = digest.fingerprints()
-    names = [n for n, _ in first]
-    assert names == [
+    assert [n for n, _ in first] == [
         "0.weight",
         "0.bias",
         "1.weight",
@@ -86,43 +85,69 @@ def test_state_digest_refingerprints_only_what_changed(monkeypatch) -> None:
         "1.running_var",
         "1.num_batches_tracked",
     ]
-    assert len(calls) == len(names)
-    calls.clear()
-    assert digest.fingerprints() == first and calls == []  # nothing changed: nothing recomputed
-    with torch.no_grad():
-        model[0].weight.add_(1.0)  # in place: its version moves
-    second = dict(digest.fingerprints())
-    assert calls == [(16,)] and second["0.weight"] != dict(first)["0.weight"]
-    calls.clear()
-    model[0].bias.data = torch.zeros(4)  # new storage under the same Parameter
-    assert dict(digest.fingerprints())["0.bias"] != dict(first)["0.bias"] and calls == [(4,)]
+    assert digest.fingerprints() == first
+    assert param_check.StateDigest(copy.deepcopy(model)).fingerprints() == first  # equal copies agree
+    changes = [
+        lambda: model[0].weight.data.add_(1.0),  # through .data: no version counter moves
+        lambda: model[0].bias.data.copy_(torch.randn(4)),
+        lambda: setattr(model[0].bias, "data", torch.zeros(4)),  # new storage under the same Parameter
+        lambda: model[1].running_var.mul_(2.0),
+        lambda: model[1].num_batches_tracked.add_(1),
+    ]
+    changed = [n for n, _ in first[:2]] + ["0.bias", "1.running_var", "1.num_batches_tracked"]
+    for change, name in zip(changes, changed):
+        before = dict(digest.fingerprints())
+        with torch.no_grad():
+            change()
+        after = dict(digest.fingerprints())
+        assert [n for n in before if before[n] != after[n]] == [name]
+
+
+def test_sample_fingerprints_tell_each_element_and_swaps_apart() -> None:
+    from autosp.sample_digest import sample_fingerprints
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = [
+        torch.randn(3, 5, generator=gen),
+        torch.randn(40, SAMPLE // 8, generator=gen).to(torch.bfloat16),
+        torch.randint(0, 9, (7,), generator=gen),
+        torch.rand(6, generator=gen) > 0.5,
+        torch.randn(4, 2, generator=gen, dtype=torch.complex64),
+        torch.randn(8, 6, generator=gen).t(),  # not contiguous
+        torch.zeros(0),
+    ]
+    base = sample_fingerprints(tensors)
+    assert base == [sample_fingerprints([t])[0] for t in tensors]  # the same alone or batched
+    for i, t in enumerate(tensors[:-1]):
+        if i == 1:  # sampled: the spread takes its first element, the row sample one of every row
+            other = t.clone()
+            other[-1] += 1
+            fps = sample_fingerprints([*tensors[:1], other, *tensors[2:]])
+            assert [j for j in range(len(tensors)) if fps[j] != base[j]] == [1]
+            continue
+        for where in (0, t.numel() - 1):
+            other = t.clone()
+            flat = other.view(-1) if other.is_contiguous() else other.t().reshape(-1)
+            flat[where] = ~flat[where] if flat.dtype == torch.bool else flat[where] + 1
+            if not other.is_contiguous():
+                other = flat.view(other.t().shape).t()
+            fps = sample_fingerprints([*tensors[:i], other, *tensors[i + 1 :]])
+            assert [j for j in range(len(tensors)) if fps[j] != base[j]] == [i], (i, where)
+    swapped = tensors[0].clone()
+    swapped[0, 0], swapped[0, 1] = tensors[0][0, 1], tensors[0][0, 0]
+    assert sample_fingerprints([swapped])[0] != base[0]
 
 
 def test_a_row_added_to_a_table_is_compared() -> None:
     # resize_token_embeddings on ranks seeded apart: the new token's row differs in every element,
     # and an evenly spread sample of a [32000, 4096] table misses one row most of the time.
     from autosp.input_check import spread_sample
-    from autosp.param_check import sample
+    from autosp.sample_digest import sample, sample_fingerprints
 
     table = torch.zeros(32001, 64)
     other = table.clone()
     other[-1] = torch.randn(64)
-    assert torch.equal(spread_sample(table, SAMPLE), spread_sample(other, SAMPLE))  # what was compared
-    assert not torch.equal(sample(table), sample(other))
+    assert torch.equal(spread_sample(table, SAMPLE), spread_sample(other, SAMPLE))  # the spread alone misses it
+    assert sample_fingerprints([table]) != sample_fingerprints([other])
     assert sample(table).numel() <= SAMPLE + table.shape[0]
-    assert torch.equal(sample(torch.arange(10.0)), torch.arange(10.0))  # small: all of it
-
-
-def test_a_new_tensor_where_the_last_one_was_is_fingerprinted_anew() -> None:
-    """Gradients made anew each step can land at the address of the last ones, at version 0: the
-    cache must not take the new tensor for the old (a whole step compiled with AdamW was refused)."""
-    from autosp.param_check import FingerprintCache
-
-    cache = FingerprintCache()
-    grad = torch.zeros(64)
-    (first,) = cache([("w.grad", grad)])
-    grad.data.fill_(1.0)  # new contents without a new version: as a fresh tensor at that address
-    again = grad.view(64)  # another tensor object, same address, same version counter
-    (second,) = cache([("w.grad", again)])
-    assert first != second
-    assert cache([("w.grad", again)]) == [second]  # the same tensor again: from the cache
+    assert torch.equal(sample(torch.arange(10.0)), torch.arange(10.0).view(torch.int32))  # small: all of it

@@ -51,8 +51,9 @@ from autosp.canonical import program_code
 from autosp.errors import AutoSPError, first_line
 from autosp.guards import CollectiveFailure, comm_failure_message, is_comm_failure
 from autosp.input_check import collective_device
-from autosp.param_check import FingerprintCache, ParameterMismatch, mismatch_message
+from autosp.param_check import ParameterMismatch, mismatch_message
 from autosp.rng_check import digest_bytes
+from autosp.sample_digest import sample_fingerprints
 from autosp.weak_group import WeakGroup
 
 T = TypeVar("T")
@@ -286,19 +287,18 @@ def _refuse_other_tensors(group: Any, what: str, named: Sequence[tuple[str, int]
 
 
 class CapturedDigest:
-    """Sample fingerprints of the graph inputs at ``captured`` ((index, name) pairs), recomputed only
-    for a tensor that changed since the last run."""
+    """Sample fingerprints of the graph inputs at ``captured`` ((index, name) pairs), read afresh at each run."""
 
     def __init__(self, captured: Sequence[tuple[int, str]]) -> None:
         self.captured = list(captured)
-        self.cache = FingerprintCache()
 
     @staticmethod
     def digest(named: Sequence[tuple[str, int]]) -> int:
         return digest_bytes(repr(named).encode()) if named else 0
 
     def fingerprints(self, args: Sequence[Any]) -> list[tuple[str, int]]:
-        return self.cache([(name, args[i]) for i, name in self.captured]) if self.captured else []
+        fps = sample_fingerprints([args[i] for i, _ in self.captured])
+        return [(name, fp) for (_, name), fp in zip(self.captured, fps)]
 
 
 def string_hash() -> int:

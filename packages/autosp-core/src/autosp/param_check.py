@@ -11,18 +11,17 @@ saw the same digests, so every rank takes it). From equal weights the contract k
 equal, but user code can still part them later (an optimizer stepped or a checkpoint loaded on some
 ranks only): ``StateDigest`` carries the model's weights into every call's input check.
 
-Each tensor is compared by an evenly spread sample of at most ``SAMPLE`` elements and one element
-of every row (at most ``ROWS``), bitwise: weights initialised or loaded differently differ almost
-everywhere, rows added to a table differ in every element (``resize_token_embeddings`` on ranks
-seeded apart: a spread sample missed a new token's row most of the time), and the cost stays that
-of a few kernels per tensor, whatever the model's size.
+Each tensor is compared by a sample (``autosp.sample_digest``), read afresh at every call: an
+evenly spread one and one element of every row, bitwise. Weights initialised or loaded differently
+differ almost everywhere, rows added to a table differ in every element (``resize_token_embeddings``
+on ranks seeded apart), and writes through ``.data`` move no version counter, so nothing is taken
+for unchanged; the cost stays a few kernels per device, whatever the model's size.
 """
 
 from __future__ import annotations
 
 import functools
 import re
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -31,28 +30,16 @@ import torch.distributed as dist
 
 from autosp.errors import AutoSPError
 from autosp.guards import naming_comm_failures
-from autosp.input_check import collective_device, fingerprint, spread_sample
+from autosp.input_check import collective_device
+from autosp.sample_digest import sample_fingerprints
 from autosp.torch_compat import all_gather_single
 from autosp.weak_group import WeakGroup
 
-SAMPLE = 4096
-ROWS = 1 << 20
 _SHOWN = 5
 
 
 class ParameterMismatch(AutoSPError):
     """The SP ranks hold different parameters or buffers: the SP program would match no single model."""
-
-
-def sample(t: torch.Tensor) -> torch.Tensor:
-    """What of ``t`` is compared: a spread sample, and one element of each row, its column moving."""
-    spread = spread_sample(t, SAMPLE)
-    if t.dim() < 2 or t.shape[0] <= 1 or t.numel() <= SAMPLE:
-        return spread
-    table = t.detach().reshape(t.shape[0], -1)
-    rows = torch.arange(0, table.shape[0], -(-table.shape[0] // ROWS), device=t.device)
-    cols = (rows * 7919 + 13) % table.shape[1]
-    return torch.cat([spread, table[rows, cols]])
 
 
 def state_name(placeholder: str) -> str:
@@ -76,7 +63,7 @@ class ParameterCheck:
     def __call__(self, named: Sequence[tuple[str, torch.Tensor]]) -> None:
         group = self.group
         device = collective_device(group)
-        fps = torch.stack([fingerprint(sample(t)).to(device) for _, t in named]).tolist() if named else []
+        fps = sample_fingerprints([t for _, t in named])
         digest = hash(tuple(fps)) if fps else 0  # one process's hash of ints: the same on every rank
         rows = torch.full((dist.get_world_size(group),), digest, dtype=torch.int64, device=device)
         all_gather_single(rows, rows[:1].clone(), group=group)
@@ -146,57 +133,23 @@ class StateDigest:
     """Sample fingerprints of the model's parameters and buffers, for every call's input check.
 
     The first-run check covers a model built or loaded differently; weights can still part later:
-    an optimizer stepped, or a checkpoint loaded, on some SP ranks only. Those ranks would then run
-    the SP program with other weights, silently. So each call's input check (its one all-gather,
-    already paid) also carries a sample fingerprint of every parameter and buffer. A tensor's is
-    recomputed only when the tensor changed since (its version counter, storage, shape or dtype),
-    so a call between optimizer steps costs a walk over the model's tensors, and a step a few
-    small kernels per tensor.
+    an optimizer stepped, or a checkpoint loaded, on some SP ranks only (through ``.data`` too).
+    Those ranks would then run the SP program with other weights, silently. So each call's input
+    check (its one all-gather, already paid) also carries a sample fingerprint of every parameter
+    and buffer, read afresh: a few kernels per device, whatever the number of tensors.
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
-        self.cache = FingerprintCache()
 
     def fingerprints(self) -> list[tuple[str, int]]:
         """(name, sample fingerprint) of every parameter and buffer, in the model's order."""
-        return self.cache(
-            [
-                (name, t)
-                for name, t in [*self.model.named_parameters(), *self.model.named_buffers()]
-                if _plain_tensor(t) and t.numel()
-            ]
-        )
-
-
-class FingerprintCache:
-    """Sample fingerprints of named tensors, each recomputed only when its tensor changed since the
-    last call (another tensor, or its version counter, storage, shape or dtype); the changed ones in
-    one transfer.
-
-    Another tensor counts even at the same address with the same version: gradients made anew each
-    step (``zero_grad(set_to_none=True)``, then a backward) often land where the last ones were, at
-    version 0, and were taken for them on some ranks only (a whole training step compiled with AdamW
-    was refused: ``ParameterMismatch`` on ``.grad`` tensors equal on every rank).
-    """
-
-    def __init__(self) -> None:
-        self.cache: dict[str, tuple[tuple[Any, ...], weakref.ref[torch.Tensor], int]] = {}
-
-    def __call__(self, named: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[str, int]]:
-        keys = [(t._version, t.data_ptr(), tuple(t.shape), t.dtype) for _, t in named]
-        stale = [i for i, ((name, t), key) in enumerate(zip(named, keys)) if not self._fresh(name, t, key)]
-        if stale:
-            device = named[stale[0]][1].device
-            fps = torch.stack([fingerprint(sample(named[i][1])).to(device) for i in stale]).tolist()
-            for i, fp in zip(stale, fps):
-                name, t = named[i]
-                self.cache[name] = (keys[i], weakref.ref(t), fp)
-        return [(name, self.cache[name][2]) for name, _ in named]
-
-    def _fresh(self, name: str, t: torch.Tensor, key: tuple[Any, ...]) -> bool:
-        held = self.cache.get(name)
-        return held is not None and held[0] == key and held[1]() is t
+        named = [
+            (name, t)
+            for name, t in [*self.model.named_parameters(), *self.model.named_buffers()]
+            if _plain_tensor(t) and t.numel()
+        ]
+        return list(zip([n for n, _ in named], sample_fingerprints([t for _, t in named])))
 
 
 def _plain_tensor(x: Any) -> bool:
@@ -205,14 +158,10 @@ def _plain_tensor(x: Any) -> bool:
 
 
 __all__ = [
-    "ROWS",
-    "SAMPLE",
-    "FingerprintCache",
     "ParameterCheck",
     "StateDigest",
     "ParameterMismatch",
     "check_state_on_first_run",
     "mismatch_message",
-    "sample",
     "state_name",
 ]
