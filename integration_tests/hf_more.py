@@ -37,6 +37,7 @@ ARCHITECTURES: dict[str, tuple[str, str, str]] = {
     "GPTBigCode (MQA)": ("gpt_bigcode", "sdpa", "lm"),
     "XGLM (eager)": ("xglm", "eager", "lm"),
     "BLOOM (ALiBi in baddbmm)": ("bloom", "eager", "lm"),
+    "Gemma-3n (AltUp clamps parameters through .data)": ("gemma3n_text", "sdpa", "lm"),
     "GPT-OSS (attention sinks, MoE)": ("gpt_oss", "eager", "lm"),
     "DeepSeek-V3 (MLA, MoE)": ("deepseek_v3", "sdpa", "lm"),
     "Llama-4 (text, MoE)": ("llama4_text", "sdpa", "lm"),
@@ -108,6 +109,11 @@ def config(model_type: str, attention: str) -> Any:
         cfg.update(dict(q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=head // 2, qk_nope_head_dim=head // 2))
         cfg.update(dict(v_head_dim=head, qk_head_dim=head, head_dim=head // 2, moe_intermediate_size=16))
         cfg.update(dict(n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1))
+    if model_type == "gemma3n_text":  # per-layer lists; AltUp and Laurel small; no kv sharing at 2 layers
+        cfg.update(dict(intermediate_size=[2 * hm.HIDDEN] * hm.LAYERS, num_kv_shared_layers=0, laurel_rank=4))
+        cfg.update(dict(activation_sparsity_pattern=[0.0] * hm.LAYERS, altup_num_inputs=2, head_dim=8))
+        cfg.update(dict(hidden_size_per_layer_input=8, vocab_size_per_layer_input=hm.VOCAB, sliding_window=hm.WINDOW))
+        cfg.layer_types = ["sliding_attention", "full_attention"]
     if model_type == "jamba":  # a Mamba layer (associative_scan under torch.compile: vmap), then attention
         cfg.update(dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1))
         cfg.update(dict(mamba_d_state=4, mamba_dt_rank=4))

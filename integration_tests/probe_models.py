@@ -656,7 +656,7 @@ def inputs(name: str, seq: int = 16, batch: int = 2) -> tuple[torch.Tensor, ...]
         "set-order-dropout",
         "nested-regions",
         "functorch-inside",
-    ) or name.startswith(("hook-", "sdpa-3d", "act-clamp")):
+    ) or name.startswith(("hook-", "sdpa-3d", "act-", "param-data")):
         return (ids,)
     return ids, y
 
@@ -1685,19 +1685,46 @@ BUILDERS.update({"sdpa-3d": lambda s: ThreeDimAttention(False), "sdpa-3d-bias": 
 
 
 class ClampNoGrad(LMBase):
-    """An activation clamped in place under ``torch.no_grad()``: eager's gradient flows on unclamped.
+    """Writes autograd does not record into tensors that require grad (``autosp.straight_through``):
+    later reads see the written values, eager's gradient flows on as if the writes had not happened.
 
-    Once a silently wrong gradient (the lowered graph took the clamp's derivative); now refused."""
+    ``clamp``: an activation clamped in place under ``torch.no_grad()`` (once a silently wrong
+    gradient, the lowered graph taking the clamp's derivative; then refused). ``setitem``: tokens
+    zeroed and a slice scaled through indexing under ``no_grad``. ``param-data``: a parameter clamped
+    through ``.data`` in the forward, before its use (Gemma-3n's AltUp; once refused), which must
+    hold the clamped values after the call. ``view-read-after``: a view that requires grad, taken
+    before the write and read after it: refused (its history is not the tensor's).
+    """
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.coef = nn.Linear(DIM, DIM, bias=False)
+        with torch.no_grad():
+            self.coef.weight.mul_(40.0)  # well past the clamp
 
     def forward(self, ids):
+        if self.kind == "param-data":
+            self.coef.weight.data.clamp_(-0.2, 0.2)
         x = self.embed(ids)
         x = x + self.attn(self.ln(x))
-        with torch.no_grad():
-            x.clamp_(-0.5, 0.5)
-        return self.lm_loss(x, ids)
+        if self.kind == "clamp":
+            with torch.no_grad():
+                x.clamp_(-0.5, 0.5)
+        elif self.kind == "setitem":
+            with torch.no_grad():
+                x[ids == 3] = 0.0
+                x[:, :2] *= 0.5
+        elif self.kind == "view-read-after":
+            first = x[:, :1]
+            with torch.no_grad():
+                x.mul_(0.5)
+            x = x + first
+        return self.lm_loss(x + self.coef(x), ids)
 
 
-BUILDERS["act-clamp-no-grad"] = lambda s: ClampNoGrad()
+BUILDERS.update({f"act-{k}-no-grad": (lambda s, k=k: ClampNoGrad(k)) for k in ("clamp", "setitem", "view-read-after")})
+BUILDERS["param-data-clamp"] = lambda s: ClampNoGrad("param-data")
 
 
 class GradientHooks(LMBase):

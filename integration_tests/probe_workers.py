@@ -45,6 +45,8 @@ def step(model: Any, args: tuple) -> dict[str, Any]:
         "outs": [o.detach().clone() for o in outs],
         "grads": {n: p.grad.clone() for n, p in params.named_parameters() if p.grad is not None},
         "buffers": {n: b.detach().clone() for n, b in params.named_buffers()},
+        # What the call left in the parameters (a forward that writes one through .data).
+        "params": {n: p.detach().clone() for n, p in params.named_parameters()},
     }
 
 
@@ -61,6 +63,7 @@ def differences(got: dict[str, Any], ref: dict[str, Any]) -> list[str]:
     scale = max((g.abs().max().item() for g in ref["grads"].values()), default=1.0)
     pairs += [(f"grad {n}", got["grads"][n], g) for n, g in ref["grads"].items() if n in got["grads"]]
     pairs += [(f"buffer {n}", got["buffers"][n], b) for n, b in ref["buffers"].items()]
+    pairs += [(f"parameter {n}", got["params"][n], p) for n, p in ref.get("params", {}).items()]
     for what, g, r in pairs:
         if g.is_complex() and r.is_complex():
             g, r = torch.view_as_real(g), torch.view_as_real(r)

@@ -122,6 +122,8 @@ MORE_ROWS: dict[Row, str] = {
     Row("Llama-4 (text, MoE)", "ulysses"): "1 of 1 graphs sharded, 2 attention sites",
     # Its Mamba scan is torch.func.vmap under torch.compile (once refused): lowered, the scan run whole.
     Row("Jamba (Mamba scan + attention, MoE)", "ring"): "1 of 1 graphs sharded, 1 attention sites",
+    # AltUp clamps its coefficients through .data in the forward (once refused: autosp.straight_through).
+    Row("Gemma-3n (AltUp clamps parameters through .data)", "ulysses"): "1 of 1 graphs sharded, 2 attention sites",
 }
 
 

@@ -45,6 +45,10 @@ COMMON = [
     # attention taken as SDPA, once silently wrong on them).
     ("leftpad-finfo", 16, 2),
     ("leftpad-finfo-written", 16, 2),
+    # Writes autograd does not record (once a silently wrong gradient, then refused): exact.
+    ("act-clamp-no-grad", 16, 2),
+    ("act-setitem-no-grad", 16, 2),
+    ("param-data-clamp", 16, 2),
 ]
 PROBES = {
     "ulysses": [
@@ -207,6 +211,18 @@ STRIDED = [("strided-tokens", 24, 2), ("token-writes", 24, 2)]
 def test_strided_slices_stay_sharded(pool: SPMDPool, variant: str) -> None:
     for where, r in _exact(pool.run(run_probes, STRIDED, variant, timeout_s=600), STRIDED, variant):
         assert r["sharded"] == [24] and not r["fallbacks"], f"{where}: {r['sharded']} {r['fallbacks']}"
+
+
+UNTRACKED_WRITES = [("act-clamp-no-grad", 16, 2), ("act-setitem-no-grad", 16, 2), ("param-data-clamp", 16, 2)]
+
+
+@pytest.mark.parametrize(("variant", "backend"), [("ring", "inductor"), ("hybrid", "aot_eager")])
+@pytest.mark.extended(covered_by="test_probes_match_single_device")
+def test_untracked_writes_on_four_ranks(variant: str, backend: str) -> None:
+    probes = UNTRACKED_WRITES
+    for where, r in _exact(run_spmd(run_probes, 4, probes, variant, backend), probes, f"{variant} {backend} P=4"):
+        # Sequence-parallel (x[ids == 3] = 0, a boolean index_put, has no rule: it runs on gathered values).
+        assert r["sharded"] == [16], f"{where}: {r['sharded']}"
 
 
 @pytest.mark.extended(covered_by="test_strided_slices_stay_sharded")
@@ -549,9 +565,9 @@ def test_length_not_divisible_is_refused(pool: SPMDPool) -> None:
         assert error.startswith("refused: AutoSPError") and "not divisible by sp_size=2" in error, error
 
 
-def test_a_write_autograd_does_not_record_is_refused(pool: SPMDPool) -> None:
-    # An activation clamped in place under no_grad: once a silently wrong gradient (autosp.untracked_writes).
-    probe = ("act-clamp-no-grad", 16, 2)
+def test_a_write_autograd_does_not_record_that_one_read_cannot_state_is_refused(pool: SPMDPool) -> None:
+    # A view that requires grad, taken before an untracked write and read after it (autosp.straight_through).
+    probe = ("act-view-read-after-no-grad", 16, 2)
     for results in pool.run(run_probes, [probe], "ulysses", timeout_s=300):
         assert not isinstance(results, RankError), results.traceback
         error = results[probe].get("error", "")

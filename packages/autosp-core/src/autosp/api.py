@@ -32,6 +32,7 @@ from autosp.param_check import ParameterCheck, StateDigest, check_state_on_first
 from autosp.registry import get_registry
 from autosp.report import Report
 from autosp.rng_check import refuse_divergent_rng
+from autosp.straight_through import ExplicitWrites, make_writes_explicit
 from autosp.untracked_writes import writes_held_tensors
 from autosp.weak_group import WeakGroup
 from autosp.whole import (
@@ -183,15 +184,23 @@ class AutoSPBackend:
         # Lowering would run writes into real tensors the graph holds: left to torch, whole.
         held = writes_held_tensors(gm) if self.world > 1 else []
         untouched = untouched_copy(gm) if not held else None
+        # Before the passes: a written input's final values become an output (see autosp.straight_through).
+        explicit = make_writes_explicit(gm) if not held else ExplicitWrites()
 
         def compile_it() -> Callable[..., Any]:
             if held:
                 return self._compile_holding_writes(gm, example_inputs, held, what)
             try:
                 with torch_state_restored():
-                    return compile_graph(
+                    fn = compile_graph(
                         gm, example_inputs, self.options, self.registry, self.group, self.world, self.reports
                     )
+                if explicit.writes:
+                    self.reports[-1].notes.append(
+                        f"{explicit.writes} in-place write(s) that autograd does not record made explicit "
+                        "(autosp::straight_through): later reads see the written values, the gradient flows as in eager"
+                    )
+                return explicit.write_back(fn)
             except Exception as error:
                 if untouched is None or not is_crash(error):
                     raise

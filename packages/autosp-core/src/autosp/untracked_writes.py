@@ -1,19 +1,19 @@
-"""In-place writes that autograd does not record, refused before lowering.
+"""In-place writes that autograd does not record, refused before lowering unless made explicit.
 
 Under ``torch.no_grad()`` (or through a ``detach()``ed alias) eager lets code write into a tensor
 that requires grad: the values change and autograd stays as it was, so the gradient flows on as if
 the write had not happened (an activation clamped in place, a parameter renormalised in place).
 The aten graph AutoSP lowers to holds the write's result as a plain value, whose derivative AOT
 autograd would take (or, for a parameter, the trace fails): a silently wrong gradient. Plain
-``torch.compile`` keeps grad mode in its graph; AutoSP's lowering does not, so such a program is
-refused, naming the line. Writes into buffers and other tensors that share no storage with a tensor
+``torch.compile`` keeps grad mode in its graph; AutoSP's lowering does not. ``autosp.straight_through``
+states the writes it can in the graph; any other is refused, naming the line. Writes into buffers and other tensors that share no storage with a tensor
 that requires grad (running statistics, caches, counters) are what they always were.
 """
 
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -60,12 +60,12 @@ def _written(node: torch.fx.Node) -> list[torch.fx.Node]:
     return [t for t in targets if isinstance(t, torch.fx.Node)]
 
 
-def _value(n: object) -> torch.Tensor | None:
+def value_of(n: object) -> torch.Tensor | None:
     v = n.meta.get("example_value") if isinstance(n, torch.fx.Node) else None
     return v if isinstance(v, torch.Tensor) else None
 
 
-def _storage(t: torch.Tensor) -> StorageWeakRef | None:
+def storage_of(t: torch.Tensor) -> StorageWeakRef | None:
     try:
         return StorageWeakRef(t.untyped_storage())
     except (NotImplementedError, RuntimeError):  # a tensor without storage (a sparse or nested one)
@@ -87,16 +87,36 @@ def writes_held_tensors(gm: torch.fx.GraphModule) -> list[str]:
         held = {
             storage: str(n.target)
             for n in module.graph.nodes
-            if n.op == "get_attr" and (v := _value(n)) is not None and (storage := _storage(v)) is not None
+            if n.op == "get_attr" and (v := value_of(n)) is not None and (storage := storage_of(v)) is not None
         }
         if not held:
             continue
         for node in module.graph.nodes:
             if node.args and _writes(node):
                 found.update(
-                    held[s] for t in _written(node) if (v := _value(t)) is not None and (s := _storage(v)) in held
+                    held[s] for t in _written(node) if (v := value_of(t)) is not None and (s := storage_of(v)) in held
                 )
     return sorted(found)
+
+
+# node.meta key of a write that ``autosp.straight_through`` made explicit: not refused.
+STRAIGHT_THROUGH_WRITE = "autosp_straight_through"
+
+
+def untracked(nodes: list[torch.fx.Node]) -> Iterator[tuple[torch.fx.Node, list[torch.Tensor]]]:
+    """Each write in ``nodes`` into a tensor that requires grad that autograd does not record, with
+    the values it writes into, and the grad mode at each."""
+    tracked = {storage_of(v) for n in nodes if (v := value_of(n)) is not None and v.requires_grad} - {None}
+    enabled = True
+    for node in nodes:
+        if node.op == "call_function" and node.target is torch._C._set_grad_enabled:
+            enabled = bool(node.args[0])
+            continue
+        if not node.args or not _writes(node):
+            continue
+        targets = [v for t in _written(node) if (v := value_of(t)) is not None and storage_of(v) in tracked]
+        if targets and not (enabled and all(t.requires_grad for t in targets)):
+            yield node, targets
 
 
 def refuse_untracked_writes(
@@ -111,20 +131,9 @@ def refuse_untracked_writes(
     for module in gm.modules():
         if not isinstance(module, torch.fx.GraphModule):
             continue
-        nodes = list(module.graph.nodes)
-        tracked = {_storage(v) for n in nodes if (v := _value(n)) is not None and v.requires_grad} - {None}
-        enabled = True
-        for node in nodes:
-            if node.op == "call_function" and node.target is torch._C._set_grad_enabled:
-                enabled = bool(node.args[0])
+        for node, _ in untracked(list(module.graph.nodes)):
+            if node.meta.get(STRAIGHT_THROUGH_WRITE):
                 continue
-            if not node.args or not _writes(node):
-                continue
-            targets = [v for t in _written(node) if (v := _value(t)) is not None and _storage(v) in tracked]
-            if not targets:
-                continue
-            if enabled and all(t.requires_grad for t in targets):
-                continue  # recorded by autograd, as any in-place op of the program
             line = where(node) if where else None
             raise AutoSPError(
                 "an in-place write that autograd does not record (under torch.no_grad(), or through a "
@@ -137,4 +146,11 @@ def refuse_untracked_writes(
             )
 
 
-__all__ = ["refuse_untracked_writes", "writes_held_tensors"]
+__all__ = [
+    "STRAIGHT_THROUGH_WRITE",
+    "refuse_untracked_writes",
+    "storage_of",
+    "untracked",
+    "value_of",
+    "writes_held_tensors",
+]
