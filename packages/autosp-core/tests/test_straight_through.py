@@ -40,6 +40,10 @@ class More(torch.nn.Module):
             with torch.no_grad():
                 h[:, 0] = 1.0
             return (a * h).sum() + h.sum()
+        if self.kind == "rebound":  # the write's result bound again: the tensor itself
+            with torch.no_grad():
+                h = h.clamp_(-0.2, 0.2)
+            return (h * self.coef(x)).sum()
         if self.kind == "inf-values":  # a straight-through sum would turn -inf into NaN
             h = h.masked_fill(torch.ones_like(h, dtype=torch.bool).triu(1), float("-inf"))
             with torch.no_grad():
@@ -75,7 +79,8 @@ EXPLICIT = ["clamp-no-grad", "setitem-no-grad", "detached-alias", "view-no-grad"
 
 @pytest.mark.parametrize(
     "build",
-    [lambda k=k: Net(k) for k in EXPLICIT] + [lambda k=k: More(k) for k in ("param-data", "two-writes", "inf-values")],
+    [lambda k=k: Net(k) for k in EXPLICIT]
+    + [lambda k=k: More(k) for k in ("param-data", "two-writes", "rebound", "inf-values")],
 )
 def test_a_rewritten_graph_gives_eager_values_gradients_and_parameters(build) -> None:
     torch.manual_seed(0)

@@ -7,8 +7,9 @@ reads see the new values while the gradient flows on to the tensor as if the wri
 AutoSP's lowered graph records ops, not grad mode: it would hold the write's result as a plain value
 and lose (or differentiate) that path, and a parameter written in place fails to trace.
 
-So the writes go into a copy of the tensor made where it is made, every alias without a gradient
-(``.data``, ``detach()``, their views) reads the copy, and each later reader of the tensor reads
+So the writes go into a copy of the tensor made where it is made, every alias of it taken before the
+last write (``.data``, ``detach()``, their views) is taken of the copy, and each later reader of the
+tensor (or of a write's result, the tensor itself) reads
 ``autosp::straight_through(tensor, copy)``: the copy's values at that point, the gradient passed to
 the tensor unchanged. That is eager's meaning, stated in the graph; the op is pointwise, so the
 sharding engine lays it out like any other. A written graph input (a parameter) gets the copy's
@@ -132,7 +133,7 @@ def _sole_root(
         for user in alias.users:
             if _aliases(user, storage) or user in writes or not modes.get(user, True):
                 continue
-            if alias is not root and value_of(alias).requires_grad:
+            if value_of(alias) is not value_of(root) and value_of(alias).requires_grad:
                 return None  # a view that requires grad, read: its history is not the tensor's
             if order.get(user, len(order)) < first:
                 return None  # read before, grad on: saved by that op, eager refuses its backward (or, through .data, uses the new values)
@@ -157,7 +158,8 @@ def _write_into_copy(
     writes: list[torch.fx.Node],
     placeholders: list[torch.fx.Node],
 ) -> torch.fx.Node:
-    """A copy of ``root`` made where it is made; the writes and every alias without a gradient take it."""
+    """A copy of ``root`` made where it is made; the writes and the aliases taken up to the last one take it
+    (``_sole_root`` made sure no alias that requires grad is read with grad on)."""
     value = value_of(root)
     assert value is not None
     with graph.inserting_after(placeholders[-1] if root.op == "placeholder" else root):
@@ -199,9 +201,10 @@ def _read_through(
         with _fake(root), torch.enable_grad():
             explicit.meta["example_value"] = _OP(value, value.detach())
         position = {n: i for i, n in enumerate(graph.nodes)}  # with the nodes inserted so far
-        for user in list(root.users):
-            if user.target is not _OP and position[user] > position[write]:
-                user.replace_input_with(root, explicit)
+        for same in [root, *(n for n in writes if value_of(n) is value)]:  # `x = x.clamp_()` hands back x
+            for user in list(same.users):
+                if user.target is not _OP and position[user] > position[write]:
+                    user.replace_input_with(same, explicit)
         write.meta[STRAIGHT_THROUGH_WRITE] = True
 
 

@@ -6,8 +6,9 @@ the write had not happened (an activation clamped in place, a parameter renormal
 The aten graph AutoSP lowers to holds the write's result as a plain value, whose derivative AOT
 autograd would take (or, for a parameter, the trace fails): a silently wrong gradient. Plain
 ``torch.compile`` keeps grad mode in its graph; AutoSP's lowering does not. ``autosp.straight_through``
-states the writes it can in the graph; any other is refused, naming the line. Writes into buffers and other tensors that share no storage with a tensor
-that requires grad (running statistics, caches, counters) are what they always were.
+states the writes it can in the graph; any other is refused, naming the line. Writes into buffers
+and other tensors that share no storage with a tensor that requires grad (running statistics,
+caches, counters) are what they always were.
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ STRAIGHT_THROUGH_WRITE = "autosp_straight_through"
 
 def untracked(nodes: list[torch.fx.Node]) -> Iterator[tuple[torch.fx.Node, list[torch.Tensor]]]:
     """Each write in ``nodes`` into a tensor that requires grad that autograd does not record, with
-    the values it writes into, and the grad mode at each."""
+    the values it writes into."""
     tracked = {storage_of(v) for n in nodes if (v := value_of(n)) is not None and v.requires_grad} - {None}
     enabled = True
     for node in nodes:
