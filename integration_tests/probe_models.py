@@ -656,7 +656,7 @@ def inputs(name: str, seq: int = 16, batch: int = 2) -> tuple[torch.Tensor, ...]
         "set-order-dropout",
         "nested-regions",
         "functorch-inside",
-    ) or name.startswith(("hook-", "sdpa-3d", "act-", "param-data")):
+    ) or name.startswith(("hook-", "sdpa-3d", "act-", "param-data", "head-bias")):
         return (ids,)
     return ids, y
 
@@ -1682,6 +1682,29 @@ class ThreeDimAttention(LMBase):
 
 
 BUILDERS.update({"sdpa-3d": lambda s: ThreeDimAttention(False), "sdpa-3d-bias": lambda s: ThreeDimAttention(True)})
+
+
+class HeadBias3d(LMBase):
+    """4-D SDPA with a 3-D ``[H, S, S]`` additive mask (SDPA broadcasts it over the batch): causal
+    ``-inf`` fills plus a learned per-head distance slope. Ring and hybrid once refused it (a mask
+    they took as 2-D or 4-D only)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.slopes = nn.Parameter(torch.linspace(0.1, 0.4, HEADS).view(HEADS, 1, 1))
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        B, S, _ = x.shape
+        q, k, v = self.attn.heads(self.ln(x))
+        pos = torch.arange(S)
+        dist = (pos[:, None] - pos[None, :]).to(x.dtype)
+        mask = torch.where(dist >= 0, -dist * self.slopes, float("-inf"))
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.lm_loss(x + self.attn.out(a.transpose(1, 2).reshape(B, S, DIM)), ids)
+
+
+BUILDERS["head-bias-3d"] = lambda s: HeadBias3d()
 
 
 class ClampNoGrad(LMBase):

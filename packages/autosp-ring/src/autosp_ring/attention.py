@@ -27,8 +27,8 @@ from autosp_ring.flex import ring_flex_rule
 SLIDING_WINDOW = "sliding_window"
 
 SUPPORTED = (
-    "ring attention supports F.scaled_dot_product_attention (is_causal, and an attn_mask of shape "
-    "[B or 1, H or 1, S or 1, S or 1] or [S, S], boolean or additive), FlexAttention, "
+    "ring attention supports F.scaled_dot_product_attention (is_causal, and an attn_mask that broadcasts "
+    "as SDPA's to [B or 1, H or 1, S or 1, S or 1]: [S, S] and [H, S, S] too, boolean or additive), FlexAttention, "
     f"and plugin ops registered as {SLIDING_WINDOW!r} attention (causal sliding window, e.g. autosp-window's "
     "autosp_window.sliding_window_attention)"
 )
@@ -53,10 +53,9 @@ def _tileable(site: AttentionSite) -> bool:
     """A mask ring can tile: its last two axes are the whole (query, key) sequence, the rest broadcast."""
     assert site.mask_shape is not None  # only sites with a mask are asked
     shape = tuple(site.mask_shape)
-    if len(shape) == 2:
-        shape = (1, 1, *shape)
-    if len(shape) != 4:
+    if len(shape) > 4:
         return False
+    shape = (1,) * (4 - len(shape)) + shape  # SDPA broadcasts a mask from the right: [H, S, S] is [1, H, S, S]
     b, h, s, sk = shape
     return s in (1, site.seq_len) and sk in (1, site.kv_seq_len) and b in (1, site.batch) and h in (1, site.heads)
 
@@ -154,8 +153,7 @@ def whole_mask(ctx: SPContext, site: AttentionSite, call: Call) -> torch.Tensor 
         return None
     if isinstance(mask, SPValue):
         mask = to_replicate(ctx, mask).local
-    if mask.dim() == 2:
-        mask = mask[None, None]
+    mask = mask.view((1,) * (4 - mask.dim()) + tuple(mask.shape))  # as SDPA broadcasts it (_tileable)
     # A mask broadcast over queries or keys ([B, 1, 1, S] padding) is spelled out: tiles slice both axes.
     mask = mask.expand(mask.shape[0], mask.shape[1], site.seq_len, site.kv_seq_len)
     if mask.dtype != torch.bool:
