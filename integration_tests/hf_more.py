@@ -38,6 +38,7 @@ ARCHITECTURES: dict[str, tuple[str, str, str]] = {
     "XGLM (eager)": ("xglm", "eager", "lm"),
     "BLOOM (ALiBi in baddbmm)": ("bloom", "eager", "lm"),
     "Gemma-3n (AltUp clamps parameters through .data)": ("gemma3n_text", "sdpa", "lm"),
+    "PhiMoE (sparsemixer routing draws random numbers)": ("phimoe", "sdpa", "lm"),
     "GPT-OSS (attention sinks, MoE)": ("gpt_oss", "eager", "lm"),
     "DeepSeek-V3 (MLA, MoE)": ("deepseek_v3", "sdpa", "lm"),
     "Llama-4 (text, MoE)": ("llama4_text", "sdpa", "lm"),

@@ -124,6 +124,8 @@ MORE_ROWS: dict[Row, str] = {
     Row("Jamba (Mamba scan + attention, MoE)", "ring"): "1 of 1 graphs sharded, 1 attention sites",
     # AltUp clamps its coefficients through .data in the forward (once refused: autosp.straight_through).
     Row("Gemma-3n (AltUp clamps parameters through .data)", "ulysses"): "1 of 1 graphs sharded, 2 attention sites",
+    # Its router draws (exponential_, uniform_) in training: each rank draws the program's numbers.
+    Row("PhiMoE (sparsemixer routing draws random numbers)", "ring"): "1 of 1 graphs sharded, 2 attention sites",
 }
 
 
