@@ -50,6 +50,8 @@ def _rows(shape: Sequence[int], numel: int, device: torch.device) -> torch.Tenso
     if index is None:
         r = torch.arange(0, rows, -(-rows // ROWS), device=device)
         index = _row_index[key] = r * cols + (r * 7919 + 13) % cols
+        if len(_row_index) > 256:  # shapes come and go with models: keep the cache bounded
+            _row_index.pop(next(iter(_row_index)))
     return index
 
 
@@ -75,8 +77,10 @@ def _layout(spans: Sequence[tuple[int, int]], device: torch.device) -> tuple[tor
     """Per-position odd weights (from each sample's own start, so a tensor's fingerprint does not
     depend on its neighbours), and where each sample starts and ends in the concatenation."""
     key = (tuple(spans), device)
-    held = _layouts.get(key)
-    if held is None:
+    held = _layouts.pop(key, None)  # taken out and put back last: the least recently used goes first
+    if held is not None:
+        _layouts[key] = held
+    else:
         starts = torch.tensor([s for s, _ in spans], dtype=torch.int64, device=device)
         lengths = torch.tensor([n for _, n in spans], dtype=torch.int64, device=device)
         total = sum(n for _, n in spans)
@@ -85,7 +89,9 @@ def _layout(spans: Sequence[tuple[int, int]], device: torch.device) -> tuple[tor
         )
         w = pos * _MULT + _ADD
         held = _layouts[key] = ((w ^ (w >> 29)) | 1, starts, starts + lengths)
-        if len(_layouts) > 64:  # layouts come and go with models: keep the cache bounded
+        # A layout's weights are as long as its samples (17 MB for a 2.3B-parameter Llama): keep the
+        # model's per-call one and one more (each graph's first-run check is another, used once).
+        if len(_layouts) > 2:
             _layouts.pop(next(iter(_layouts)))
     return held
 
