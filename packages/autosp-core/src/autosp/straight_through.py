@@ -26,14 +26,14 @@ Only what this states exactly is rewritten; ``autosp.untracked_writes`` refuses 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from autosp.untracked_writes import STRAIGHT_THROUGH_WRITE, storage_of, untracked, value_of
+from autosp.untracked_writes import STRAIGHT_THROUGH_WRITE, grad_modes, storage_of, untracked, value_of
 
 
 @torch.library.custom_op("autosp::straight_through", mutates_args=(), tags=(torch.Tag.pointwise,))
@@ -78,7 +78,7 @@ class ExplicitWrites:
                 for i, at in inputs:
                     # Through .data, as the program wrote: the tensor's version counter stays.
                     args[i].data.copy_(outs[at])
-            return type(outs)(outs[:-extra]) if isinstance(outs, tuple) else outs[:-extra]
+            return outs[:-extra]
 
         return run
 
@@ -100,11 +100,12 @@ def make_writes_explicit(gm: torch.fx.GraphModule) -> ExplicitWrites:
         if len(targets) == 1 and isinstance(first, torch.fx.Node) and (s := storage_of(targets[0])) is not None:
             by_storage.setdefault(s, []).append(node)
     placeholders = [n for n in nodes if n.op == "placeholder"]
+    modes = dict(grad_modes(nodes))
     for storage, writes in by_storage.items():
-        root = _sole_root(nodes, order, storage, writes)
+        root = _sole_root(nodes, order, modes, storage, writes)
         if root is not None:
-            copy = _write_into_copy(graph, nodes, root, storage, writes, placeholders)
-            _read_through(graph, nodes, root, copy, writes)
+            copy = _write_into_copy(graph, nodes[: order[writes[-1]] + 1], root, storage, writes, placeholders)
+            _read_through(graph, modes, root, copy, writes)
             if root.op == "placeholder":
                 out = graph.output_node()
                 outs = tuple(out.args[0]) if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
@@ -118,7 +119,11 @@ def make_writes_explicit(gm: torch.fx.GraphModule) -> ExplicitWrites:
 
 
 def _sole_root(
-    nodes: list[torch.fx.Node], order: dict[torch.fx.Node, int], storage: StorageWeakRef, writes: list[torch.fx.Node]
+    nodes: list[torch.fx.Node],
+    order: dict[torch.fx.Node, int],
+    modes: dict[torch.fx.Node, bool],
+    storage: StorageWeakRef,
+    writes: list[torch.fx.Node],
 ) -> torch.fx.Node | None:
     """The one tensor requiring grad in ``storage`` whose later readers can be given the written
     values, or None where no single read stands for eager's meaning."""
@@ -128,7 +133,6 @@ def _sole_root(
     if not grad or order[grad[0]] > first:
         return None
     root = grad[0]
-    modes = dict(_grad_modes(nodes))
     for alias in aliases:
         for user in alias.users:
             if _aliases(user, storage) or user in writes or not modes.get(user, True):
@@ -152,7 +156,7 @@ def _fake(node: torch.fx.Node) -> contextlib.AbstractContextManager[Any]:
 
 def _write_into_copy(
     graph: torch.fx.Graph,
-    nodes: list[torch.fx.Node],
+    upto_last: list[torch.fx.Node],
     root: torch.fx.Node,
     storage: StorageWeakRef,
     writes: list[torch.fx.Node],
@@ -169,8 +173,7 @@ def _write_into_copy(
     with _fake(root):
         detached.meta["example_value"] = value.detach()
         copy.meta["example_value"] = detached.meta["example_value"].clone()
-    last = nodes.index(writes[-1])
-    for node in nodes[: last + 1]:  # later readers read through straight_through (_read_through)
+    for node in upto_last:  # later readers read through straight_through (_read_through)
         if node.args and node.args[0] is root and (node in writes or _aliases(node, storage)):
             node.update_arg(0, copy)
     return copy
@@ -178,7 +181,7 @@ def _write_into_copy(
 
 def _read_through(
     graph: torch.fx.Graph,
-    nodes: list[torch.fx.Node],
+    modes: dict[torch.fx.Node, bool],
     root: torch.fx.Node,
     copy: torch.fx.Node,
     writes: list[torch.fx.Node],
@@ -186,7 +189,6 @@ def _read_through(
     """After each write, the readers of ``root`` up to the next write read ``straight_through(root, copy)``."""
     value = value_of(root)
     assert value is not None
-    modes = dict(_grad_modes(nodes))
     for write in reversed(writes):  # each reader takes the last write before it
         anchor = write
         if not modes[write]:  # made with grad on, or the lowering would detach it
@@ -206,14 +208,6 @@ def _read_through(
                 if user.target is not _OP and position[user] > position[write]:
                     user.replace_input_with(same, explicit)
         write.meta[STRAIGHT_THROUGH_WRITE] = True
-
-
-def _grad_modes(nodes: list[torch.fx.Node]) -> Iterator[tuple[torch.fx.Node, bool]]:
-    enabled = True
-    for node in nodes:
-        if node.op == "call_function" and node.target is torch._C._set_grad_enabled:
-            enabled = bool(node.args[0])
-        yield node, enabled
 
 
 __all__ = ["ExplicitWrites", "make_writes_explicit", "straight_through"]

@@ -104,15 +104,20 @@ def writes_held_tensors(gm: torch.fx.GraphModule) -> list[str]:
 STRAIGHT_THROUGH_WRITE = "autosp_straight_through"
 
 
-def untracked(nodes: list[torch.fx.Node]) -> Iterator[tuple[torch.fx.Node, list[torch.Tensor]]]:
-    """Each write in ``nodes`` into a tensor that requires grad that autograd does not record, with
-    the values it writes into."""
-    tracked = {storage_of(v) for n in nodes if (v := value_of(n)) is not None and v.requires_grad} - {None}
+def grad_modes(nodes: list[torch.fx.Node]) -> Iterator[tuple[torch.fx.Node, bool]]:
+    """Each node with the grad mode it runs in (Dynamo records ``no_grad`` as ``_set_grad_enabled`` calls)."""
     enabled = True
     for node in nodes:
         if node.op == "call_function" and node.target is torch._C._set_grad_enabled:
             enabled = bool(node.args[0])
-            continue
+        yield node, enabled
+
+
+def untracked(nodes: list[torch.fx.Node]) -> Iterator[tuple[torch.fx.Node, list[torch.Tensor]]]:
+    """Each write in ``nodes`` into a tensor that requires grad that autograd does not record, with
+    the values it writes into."""
+    tracked = {storage_of(v) for n in nodes if (v := value_of(n)) is not None and v.requires_grad} - {None}
+    for node, enabled in grad_modes(nodes):
         if not node.args or not _writes(node):
             continue
         targets = [v for t in _written(node) if (v := value_of(t)) is not None and storage_of(v) in tracked]
@@ -149,6 +154,7 @@ def refuse_untracked_writes(
 
 __all__ = [
     "STRAIGHT_THROUGH_WRITE",
+    "grad_modes",
     "refuse_untracked_writes",
     "storage_of",
     "untracked",
