@@ -224,6 +224,8 @@ def build(row: Row) -> Any:
 def batch(row: Row, seq: int = SEQ) -> dict[str, torch.Tensor]:
     """Token ids and labels; causal LMs get labels with ignored (-100) tokens, shifted inside the model."""
     g = torch.Generator().manual_seed(1)
+    if row.model not in BUILDERS and row.model in _more().VISION:
+        return _more().vision_batch(g)
     ids = torch.randint(3, VOCAB, (BATCH, seq), generator=g)
     if row.model in CLASSIFIERS or (row.model not in BUILDERS and row.model in _more().CLASSIFIERS):
         return {"input_ids": ids, "labels": torch.randint(0, CLASSES, (BATCH,), generator=g)}
@@ -348,6 +350,7 @@ def classify(row: Row, per_rank: list[Any], seconds: float) -> Outcome:
     first = per_rank[0]
     gathers = f", {len(first['fallbacks'])} ops gathered" if first["fallbacks"] else ""
     kept = ", attention kept as written" if any("kept as written" in n for n in first["notes"]) else ""
+    kept += ", uneven pieces" if any("is not divisible by sp_size" in n for n in first["notes"]) else ""
     # A graph that shards nothing runs whole on every rank: exact, but not sequence-parallel; say so.
     sharded = sum(s is not None for s in first["sharded"])
     return Outcome(

@@ -13,6 +13,9 @@ from collections.abc import Callable
 from typing import Any
 
 import hf_matrix as hm
+import torch
+
+IMAGE = 32  # pixels a side; the vision models cut it into 4 x 4 patches
 
 # name -> (model_type, attention implementation, task)
 ARCHITECTURES: dict[str, tuple[str, str, str]] = {
@@ -54,6 +57,10 @@ ARCHITECTURES: dict[str, tuple[str, str, str]] = {
     "ModernBERT classifier": ("modernbert", "sdpa", "classify"),
     "ELECTRA classifier": ("electra", "sdpa", "classify"),
     "ALBERT classifier": ("albert", "sdpa", "classify"),
+    # Images of 4 x 4 patches: the encoder's sequence is made inside the model, with tokens it adds.
+    "ViT classifier ([CLS] + 16 patches: 17 tokens)": ("vit", "sdpa", "vision"),
+    "DINOv2 with registers ([CLS], 4 registers + 16 patches: 21 tokens)": ("dinov2_with_registers", "sdpa", "vision"),
+    "BEiT (relative position bias, [CLS] + 16 patches)": ("beit", "sdpa", "vision"),
 }
 
 _SIZES: dict[str, Any] = dict(
@@ -79,6 +86,9 @@ _WHERE_PRESENT: dict[str, Any] = dict(
     pad_token_id=0,
     rotary_dim=4,
     global_attn_every_n_layers=1,
+    image_size=IMAGE,
+    patch_size=IMAGE // 4,
+    num_channels=3,
 )
 
 
@@ -118,6 +128,8 @@ def config(model_type: str, attention: str) -> Any:
     if model_type == "jamba":  # a Mamba layer (associative_scan under torch.compile: vmap), then attention
         cfg.update(dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1))
         cfg.update(dict(mamba_d_state=4, mamba_dt_rank=4))
+    if model_type == "beit":  # a learned [H, S, S] bias over the patches and [CLS], in every layer
+        cfg.use_relative_position_bias = True
     if model_type == "gpt_neo":  # one global and one local layer, the local window cutting the sequence
         cfg.attention_types = [[["global", "local"], 1]]
         cfg.attention_layers = ["global", "local"]
@@ -130,7 +142,10 @@ def _builder(model_type: str, attention: str, task: str) -> Callable[[], Any]:
     def build() -> Any:
         import transformers as t
 
-        auto = t.AutoModelForSequenceClassification if task == "classify" else t.AutoModelForCausalLM
+        auto = {
+            "classify": t.AutoModelForSequenceClassification,
+            "vision": t.AutoModelForImageClassification,
+        }.get(task, t.AutoModelForCausalLM)
         return auto.from_config(config(model_type, attention))
 
     return build
@@ -138,6 +153,13 @@ def _builder(model_type: str, attention: str, task: str) -> Callable[[], Any]:
 
 BUILDERS: dict[str, Callable[[], Any]] = {name: _builder(*spec) for name, spec in ARCHITECTURES.items()}
 CLASSIFIERS = {name for name, (_, _, task) in ARCHITECTURES.items() if task == "classify"}
+VISION = {name for name, (_, _, task) in ARCHITECTURES.items() if task == "vision"}
+
+
+def vision_batch(generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """Images and one class label per image."""
+    pixels = torch.randn(hm.BATCH, 3, IMAGE, IMAGE, generator=generator)
+    return {"pixel_values": pixels, "labels": torch.randint(0, hm.CLASSES, (hm.BATCH,), generator=generator)}
 
 
 # HF itself raises on gradient_checkpointing_enable() for these.

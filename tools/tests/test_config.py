@@ -43,7 +43,10 @@ def config(argv: list[str]):  # noqa: ANN201 - TrainConfig
         (["--save-every", "-1"], r"--save-every -1 must be >= 0"),
         (["--sp-size", "0"], r"--sp-size 0 must be positive"),
         (["--dp", "0"], r"--dp 0 must be positive"),
-        (["--seq-len", "63"], r"--seq-len 63 is not divisible by --sp-size 2: .* use --seq-len 62 or 64"),
+        (
+            ["--seq-len", "63", "--sp-size", "4", "--variant", "hybrid"],
+            r"--seq-len 63 is not divisible by --sp-size 4: hybrid .* use --seq-len 60 or 64, or --variant ulysses or ring",
+        ),
         (["--dim", "60"], r"--dim 60 must be divisible by --heads 4 with an even head size"),
         (["--heads", "4", "--kv-heads", "3"], r"--heads 4 must be a multiple of --kv-heads 3"),
         (["--sp-size", "4", "--heads", "2", "--dim", "64"], r"--heads 2 is not divisible by --sp-size 4"),

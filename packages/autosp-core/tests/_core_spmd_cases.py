@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -43,12 +44,15 @@ def config_errors(rank: int, world: int) -> dict[str, Any]:
     import os
 
     import autosp
-    from autosp.registry import reset_registry
+    from autosp.registry import get_registry, reset_registry
     from autosp.testing.models import Config, GPT2Like
 
     # Ring must look "not installed" whether or not autosp-ring is: block it.
     os.environ["AUTOSP_BLOCK_PLUGINS"] = "autosp-ring"
     reset_registry()
+    # A variant that splits the sequence into equal pieces only (hybrid's case; ring is blocked here).
+    variants = get_registry().variants
+    variants["equal-pieces"] = dataclasses.replace(variants["ulysses"], name="equal-pieces", uneven=False)
     called: list[str] = []
     saved = {name: getattr(dist, name) for name in COLLECTIVES}
 
@@ -76,12 +80,14 @@ def config_errors(rank: int, world: int) -> dict[str, Any]:
             "sp_too_large": lambda: autosp.compile(gpt, sp_size=world + 1),
             "bad_backend": lambda: autosp.compile(gpt, sp_size=world, backend="tvm"),
             "group_and_smaller_sp": lambda: autosp.compile(gpt, sp_size=1, group=dist.group.WORLD),
-            "seq_not_divisible": lambda: autosp.compile(gpt, backend="aot_eager")(ids8, ids8),
+            "seq_not_divisible": lambda: autosp.compile(gpt, backend="aot_eager", variant="equal-pieces")(ids8, ids8),
             "heads_not_divisible": lambda: autosp.compile(gpt, backend="aot_eager")(ids9, ids9),
             "two_lengths": lambda: autosp.compile(_two_lengths, backend="aot_eager", dynamic=True)(
                 torch.randn(1, 9, 12), torch.randn(1, 6, 12)
             ),
-            "made_in_model": lambda: autosp.compile(_cls_token_encoder, backend="aot_eager")(torch.randn(1, 12, 3, 3)),
+            "made_in_model": lambda: autosp.compile(_cls_token_encoder, backend="aot_eager", variant="equal-pieces")(
+                torch.randn(1, 12, 3, 3)
+            ),
         }
         collectives: dict[str, list[str]] = {}
         for key, case in cases.items():

@@ -235,6 +235,7 @@ def test_spmd_sequence_not_divisible(spmd_errors):
     kind, msg = _on_every_rank(spmd_errors, "seq_not_divisible")
     assert _autosp_error(kind), kind
     assert "sequence length 8 is not divisible by sp_size=3" in msg and "pad" in msg
+    assert "or use variant='ulysses', which takes any length" in msg, msg
 
 
 def test_spmd_length_made_in_the_model_not_divisible(spmd_errors):

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import autosp
+from autosp.sharding.placement import even_ranges
 from autosp.testing import Config, GPT2Block, GPT2Like, LlamaBlock, LlamaLike, SavedBytes
 
 
@@ -134,18 +135,24 @@ def op_errors(rank: int, world: int, cfg: tuple) -> list[float]:
     import torch.distributed as dist
 
     q, k, v, dout, out, dq, dk, dv = op_case(cfg)
-    chunk = q.shape[2] // world
-    part = slice(rank * chunk, (rank + 1) * chunk)
+    sizes = _sizes(q.shape[2], world)
+    ((lo, hi),) = even_ranges(q.shape[2], world)[rank]
+    part = slice(lo, hi)
     ql, kl, vl = (t[:, :, part].clone().requires_grad_() for t in (q, k, v))
     got, _ = torch.ops.autosp_ring.ring_attention(
-        ql, kl, vl, bool(cfg[5]), q.shape[-1] ** -0.5, cfg[6], False, dist.group.WORLD.group_name
+        ql, kl, vl, bool(cfg[5]), q.shape[-1] ** -0.5, cfg[6], False, dist.group.WORLD.group_name, None, 0, sizes
     )
     got.backward(dout[:, :, part])
     pairs = [(got, out), (ql.grad, dq), (kl.grad, dk), (vl.grad, dv)]
     return [(a - full[:, :, part]).abs().max().item() for a, full in pairs]
 
 
-def op_mask_errors(rank: int, world: int, kind: str, zigzag: bool, balance: int = 0) -> list[float]:
+def _sizes(seq: int, world: int) -> list[int] | None:
+    """Each rank's contiguous piece when the ranks do not split ``seq`` evenly (the ring op's ``sizes``)."""
+    return None if seq % world == 0 else [hi - lo for ((lo, hi),) in even_ranges(seq, world)]
+
+
+def op_mask_errors(rank: int, world: int, kind: str, zigzag: bool, balance: int = 0, seq: int = 16) -> list[float]:
     """The ring op with a model-built mask (whole on every rank) against SDPA with the same mask.
 
     "bool": causal and right padding as one boolean mask [B, 1, S, S]; "bias": a learned additive
@@ -153,13 +160,14 @@ def op_mask_errors(rank: int, world: int, kind: str, zigzag: bool, balance: int 
     that leaves whole tiles empty (block-diagonal documents), which the op skips; "skewed": documents
     of 3/4 and 1/4 of the row, causal, whose work the zigzag layout spreads unevenly; "skewed-bias":
     a learned bias on those documents, -inf elsewhere. ``balance``: the op's smallest chunk for
-    balancing query rows by the mask (0: none).
+    balancing query rows by the mask (0: none). ``seq``: one the ranks do not split evenly gives
+    them contiguous pieces one token apart (no zigzag).
     """
     import torch.distributed as dist
 
     from autosp_ring.op import segments
 
-    bsz, heads, kv_heads, seq, dim = 2, 4, 2, 16, 8
+    bsz, heads, kv_heads, dim = 2, 4, 2, 8
     gen = torch.Generator().manual_seed(3)
     q, k, v, dout = (torch.randn(bsz, h, seq, dim, generator=gen) for h in (heads, kv_heads, kv_heads, heads))
     pos = torch.arange(seq)
@@ -189,15 +197,15 @@ def op_mask_errors(rank: int, world: int, kind: str, zigzag: bool, balance: int 
     ref_dmask = mask.grad.clone() if learned else None
     if learned:
         mask.grad = None
-    chunk = seq // world
-    pieces = segments(rank, chunk, world, zigzag)
+    sizes = _sizes(seq, world)
+    pieces = segments(rank, seq // world, world, zigzag, sizes)
 
     def local(t: torch.Tensor) -> torch.Tensor:
         return torch.cat([t[:, :, g : g + n] for g, n, _ in pieces], dim=2)
 
     ql, kl, vl = (local(t).clone().requires_grad_() for t in (q, k, v))
     got, _ = torch.ops.autosp_ring.ring_attention(
-        ql, kl, vl, kind == "bias", dim**-0.5, 0, zigzag, dist.group.WORLD.group_name, mask, balance
+        ql, kl, vl, kind == "bias", dim**-0.5, 0, zigzag, dist.group.WORLD.group_name, mask, balance, sizes
     )
     got.backward(local(dout))
     errs = [
@@ -231,6 +239,10 @@ def run(rank: int, world: int, jobs: list[tuple], b: dict, memory: list[str], op
             BLOCK_COUNTS.clear()
             results["mask_ops"][case] = op_mask_errors(rank, world, *case)
             results["mask_balanced"][case] = (BLOCK_COUNTS["forward", "balanced"], BLOCK_COUNTS["backward", "balanced"])
+        # 15 tokens: pieces one token apart (balancing asked for, and left out: its chunks need equal pieces).
+        results["mask_ops_uneven"] = {
+            kind: op_mask_errors(rank, world, kind, False, 1, 15) for kind in ("bool", "bias", "rows")
+        }
     for name, variant, options in jobs:
         BLOCK_COUNTS.clear()
         compiled = compile_model(name, variant, world, options)

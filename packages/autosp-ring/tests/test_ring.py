@@ -12,12 +12,22 @@ from harness import run_spmd
 
 SEQ = 32
 # The last: float64, whose blocks compute and merge in float64 (once fp32: half the digits, silently).
-OPS_2 = [(2, 4, 2, SEQ, 8, True, 0), (2, 3, 3, SEQ, 8, False, 0), (2, 4, 2, SEQ, 8, True, 0, torch.float64)]
+# Lengths the ranks do not split evenly (31, 30, 33): contiguous pieces one token apart.
+OPS_2 = [
+    (2, 4, 2, SEQ, 8, True, 0),
+    (2, 3, 3, SEQ, 8, False, 0),
+    (2, 4, 2, SEQ, 8, True, 0, torch.float64),
+    (2, 4, 2, 31, 8, True, 0),
+    (1, 3, 3, 31, 8, False, 0),
+]
 OPS_4 = [
     (1, 6, 1, SEQ, 8, True, 0),
     (1, 4, 2, SEQ, 8, True, 5),
     (1, 4, 2, SEQ, 8, True, 12),
     (1, 3, 3, SEQ, 8, False, 0),
+    (1, 4, 2, 30, 8, True, 5),  # pieces 7, 8, 7, 8: a window shorter than the shortest, fewer steps
+    (1, 4, 2, 33, 8, True, 10),  # 8, 8, 8, 9: a window over two pieces
+    (1, 3, 3, 33, 8, False, 0),
 ]
 HYB = {"ulysses_degree": 2}
 JOBS_2 = [
@@ -114,6 +124,8 @@ def test_op_takes_model_masks(launch, world):
     for rank, results in enumerate(launch):
         for (kind, zigzag, balance), errs in results["mask_ops"].items():
             assert max(errs) < 1e-5, (kind, zigzag, balance, rank, errs)
+        for kind, errs in results["mask_ops_uneven"].items():
+            assert max(errs) < 1e-5, (kind, "15 tokens", rank, errs)
         for (kind, zigzag, balance), moved in results["mask_balanced"].items():
             # Skewed documents move rows, forward and backward, in either layout; nothing moves
             # without balancing (padding with it may or may not: exact either way, above).

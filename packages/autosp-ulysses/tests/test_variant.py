@@ -62,3 +62,50 @@ def test_fewer_kv_heads_than_ranks_is_exact_and_leaves_no_fake_tensor_in_the_pro
         context={"attention_rule": ULYSSES.attention_rule, "sites": {"op": site}},
     )
     assert any("all_to_all" in c for c in report.collectives), report.collectives
+
+
+@pytest.mark.parametrize(
+    ("world", "seq", "heads", "kv_heads", "chunks", "causal"),
+    [
+        (2, 7, 4, 4, 1, True),  # pieces of 3 and 4
+        (3, 10, 6, 2, 1, False),  # 3, 3, 4; GQA
+        (4, 9, 4, 1, 1, True),  # 2, 2, 2, 3; one kv head repeated over the ranks
+        (2, 5, 8, 2, 2, True),  # head groups pipelined, each exchange padded
+        (4, 6, 8, 8, 2, False),  # 1, 2, 1, 2
+    ],
+)
+def test_a_length_the_ranks_do_not_split_evenly_is_exchanged_padded(world, seq, heads, kv_heads, chunks, causal):
+    # Balanced pieces one token apart travel padded to equal blocks (autosp_ulysses.uneven): exact
+    # values and gradients, and no q, k or v gathered whole.
+    import torch
+
+    from autosp.sharding import Shard
+    from autosp.sharding.testing import check_op, shard
+
+    def run(length):
+        gen = torch.Generator().manual_seed(length)
+        q = torch.randn(2, heads, length, 4, generator=gen)
+        k, v = (torch.randn(2, kv_heads, length, 4, generator=gen) for _ in range(2))
+        site = AttentionSite("op", SDPA, 2, heads, kv_heads, length, length, 4, causal, None, torch.float32)
+        return check_op(
+            torch.ops.aten.scaled_dot_product_attention.default,
+            (q, k, v),
+            {"is_causal": causal, "enable_gqa": kv_heads != heads},
+            placements=[shard(2)] * 3,
+            world=world,
+            expect=[Shard],
+            context={
+                "attention_rule": ULYSSES.attention_rule,
+                "sites": {"op": site},
+                "variant_options": {"ulysses_chunks": chunks},
+            },
+        )
+
+    # The same exchanges as the next length the ranks split evenly (the padded one); the one
+    # all-gather is check_op's own, making the output whole to compare it.
+    padded = -(-seq // world) * world
+    assert run(seq).collectives == run(padded).collectives
+
+
+def test_uneven_lengths_are_declared():
+    assert ULYSSES.uneven  # core refuses such a length for a variant without it (autosp.variants.refuses_length)

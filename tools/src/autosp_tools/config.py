@@ -275,10 +275,10 @@ def _check_parallel(ns: argparse.Namespace, heads: int, errors: list[str]) -> in
         errors.append(f"{where} {nproc} is not --dp {ns.dp} x --sp-size {sp}; give one of them, or make them agree")
     if ns.seq_len < 2:
         errors.append(f"--seq-len {ns.seq_len} is too short; a causal LM needs at least 2 tokens")
-    elif ns.seq_len % sp:
+    elif ns.seq_len % sp and ns.variant == "hybrid":
         errors.append(
-            f"--seq-len {ns.seq_len} is not divisible by --sp-size {sp}: AutoSP splits each sequence evenly "
-            f"over the SP ranks; use --seq-len {_nearest_multiples(ns.seq_len, sp)}"
+            f"--seq-len {ns.seq_len} is not divisible by --sp-size {sp}: hybrid splits each sequence into equal "
+            f"pieces; use --seq-len {_nearest_multiples(ns.seq_len, sp)}, or --variant ulysses or ring"
         )
     if nproc % sp:
         errors.append(f"{where} {nproc} is not a multiple of --sp-size {sp}; each rank must be in one SP group")

@@ -26,6 +26,9 @@ class SPVariant:
             variant options); ``None`` (or a ``None`` result) keeps contiguous even intervals.
         prepare: runs once per compile before the rewrite (after ``check``); what it returns
             reaches the attention rule as ``SPContext.variant_state`` (subgroups, say).
+        uneven: the attention rule takes a sequence whose (concrete) length the ranks do not
+            split evenly, laid out by ``even_ranges`` (pieces one token apart). A variant
+            without it gets a clear refusal for such a length, never an uneven site.
         doc: one line for reports.
     """
 
@@ -34,10 +37,27 @@ class SPVariant:
     check: Callable[[AttentionSite, int], None] = lambda site, world: None
     layout: Callable[[IntLike, int, dict[str, Any]], Layout | None] | None = None
     prepare: Callable[[CompileContext], Any] | None = None
+    uneven: bool = False
     doc: str = ""
+
+
+def refuses_length(variant: SPVariant, length: object, world: int) -> str | None:
+    """Why ``variant`` cannot take a sequence of ``length`` over ``world`` ranks, or None.
+
+    A concrete length that ``world`` does not divide needs a variant that declares ``uneven``. A
+    symbolic one must divide: its pieces would be symbolic sizes no exchange is planned for.
+    """
+    if not isinstance(length, int):
+        return None  # the caller's divisibility guard decides; a symbol never reaches an uneven rule
+    if length % world == 0 or variant.uneven:
+        return None
+    return (
+        f"variant {variant.name!r} splits the sequence into equal pieces and {length} tokens do not split over "
+        f"sp_size={world}"
+    )
 
 
 # Where the first-party variants live, so a missing one can be named.
 KNOWN_PACKAGES = {"ulysses": "autosp-ulysses", "ring": "autosp-ring", "hybrid": "autosp-ring"}
 
-__all__ = ["KNOWN_PACKAGES", "SPVariant"]
+__all__ = ["KNOWN_PACKAGES", "SPVariant", "refuses_length"]

@@ -1,7 +1,8 @@
 """The ring rule at one attention site: q stays put, k/v travel (``variant="ring"``).
 
 q, k and v are laid out as contiguous even sequence chunks (rank r: positions
-``[r*S/P, (r+1)*S/P)``), the ring op runs, and its output keeps q's layout.
+``[r*S/P, (r+1)*S/P)``; zigzag pieces when the length allows; pieces one token apart when P
+does not divide S), the ring op runs, and its output keeps q's layout.
 Heads are never split, so any head count works on any number of ranks; GQA k/v
 travel with their Hkv heads and are expanded per block on arrival.
 """
@@ -172,8 +173,10 @@ def ring_attention_rule(ctx: SPContext, node: torch.fx.Node, site: AttentionSite
     layout = ctx.layout(length)
     zigzag = layout != ctx.even_ranges(length)
     balance = balance_chunk(ctx.variant_options)
+    # A length the ranks do not split evenly: contiguous pieces one token apart (ring_layout gives no zigzag).
+    sizes = None if zigzag or length % ctx.world == 0 else [int(hi - lo) for ((lo, hi),) in layout]
     out, _ = torch.ops.autosp_ring.ring_attention(
-        q, k, v, call.causal, call.scale, call.window, zigzag, ctx.group_name, mask, balance
+        q, k, v, call.causal, call.scale, call.window, zigzag, ctx.group_name, mask, balance, sizes
     )
     return SPValue(from_bhsd(site, out), Shard(SeqAxis(sdim, length), layout), node.meta["val"])
 

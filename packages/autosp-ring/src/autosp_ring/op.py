@@ -27,6 +27,7 @@ ranks run the same number of steps, so every send has its receive.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from typing import Any
 
@@ -126,20 +127,42 @@ def num_steps(world: int, chunk: int, window: int) -> int:
     return min(world, 1 + (window - 1 + chunk - 1) // chunk)
 
 
-def _pack(*xs: Tensor) -> Tensor:
-    return torch.cat([x.reshape(-1) for x in xs])
+def _chunk_shape(x: Tensor, length: int) -> tuple[int, ...]:
+    """``x``'s shape (BHSD) with ``length`` sequence positions."""
+    return (*x.shape[:2], length, *x.shape[3:])
 
 
-def _unpack(buf: Tensor, like: tuple[Tensor, ...]) -> list[Tensor]:
+def _pack(k: Tensor, v: Tensor, longest: int) -> Tensor:
+    """k and v in one flat buffer sized for the longest chunk: every hop moves equal buffers."""
+    flat = torch.cat([k.reshape(-1), v.reshape(-1)])
+    size = sum(math.prod(_chunk_shape(x, longest)) for x in (k, v))
+    return torch.cat([flat, flat.new_zeros(size - flat.numel())]) if size > flat.numel() else flat
+
+
+def _unpack(buf: Tensor, like: tuple[Tensor, ...], length: int) -> list[Tensor]:
+    """Views of ``buf`` shaped as ``like`` with ``length`` sequence positions (chunk j's k and v)."""
     out, at = [], 0
     for x in like:
-        out.append(buf[at : at + x.numel()].view(x.shape))
-        at += x.numel()
+        shape = _chunk_shape(x, length)
+        out.append(buf[at : at + math.prod(shape)].view(shape))
+        at += math.prod(shape)
     return out
 
 
-def segments(rank: int, chunk: int, world: int, zigzag: bool) -> list[tuple[int, int, int]]:
-    """(global offset, length, local offset) of each contiguous piece a rank holds."""
+def _length(rank: int, chunk: int, sizes: list[int] | None) -> int:
+    return chunk if sizes is None else sizes[rank]
+
+
+def segments(
+    rank: int, chunk: int, world: int, zigzag: bool, sizes: list[int] | None = None
+) -> list[tuple[int, int, int]]:
+    """(global offset, length, local offset) of each contiguous piece a rank holds.
+
+    ``sizes``: every rank's contiguous piece when they differ (a length the ranks do not split
+    evenly); else each holds ``chunk`` tokens.
+    """
+    if sizes is not None:
+        return [(sum(sizes[:rank]), sizes[rank], 0)]
     if not zigzag:
         return [(rank * chunk, chunk, 0)]
     half = chunk // 2
@@ -163,6 +186,7 @@ def ring_attention(
     group_name: str,
     mask: Tensor | None = None,
     balance: int = 0,
+    sizes: list[int] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Attention of this rank's query pieces over the whole sequence: (out [B,H,L,Dv], lse [B,H,L] in ``acc_dtype``).
 
@@ -170,6 +194,8 @@ def ring_attention(
     to the scores), the same on every rank; each block takes its tile by global positions.
     ``balance``: with a mask, the smallest chunk (tokens) that query rows may be balanced in
     (``autosp_ring.balance``); 0 keeps the program's layout and whole-piece tiles.
+    ``sizes``: every rank's contiguous chunk when the ranks' chunks differ in length (no zigzag);
+    k/v then travel in buffers sized for the longest.
     """
     ring = _Ring(group_name)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -178,17 +204,18 @@ def ring_attention(
     acc = acc_dtype(q.dtype)
     out = q.new_zeros((b, h, chunk, v.shape[-1]), dtype=acc)
     lse = q.new_full((b, h, chunk), float("-inf"), dtype=acc)
-    buf = _pack(k, v)
+    longest = max(sizes) if sizes else chunk
+    buf = _pack(k, v, longest)
     kernel = block_kernel()
     top = sat = None
     if mask is not None and mask.dtype != torch.bool:
         whole_top = mask.amax(-1)  # every row's largest mask value, alike on every rank
         saturated.refuse_imprecise(whole_top)  # before the first transfer
-    layout, plan = _layout(ring, chunk, zigzag, mask, is_causal, window, balance, "forward")
+    layout, plan = _layout(ring, chunk, zigzag, mask, is_causal, window, balance, "forward", sizes)
     if plan is not None:
         (q,) = plan.to_plan(ring.group, q)
     q_pieces = plan.q_pieces if plan is not None else layout[c]
-    steps = world if plan is not None else _steps(world, chunk, window, zigzag)
+    steps = world if plan is not None else _steps(world, min(sizes) if sizes else chunk, window, zigzag)
     if mask is not None and mask.dtype != torch.bool:
         top = saturated.my_rows(whole_top, q_pieces, chunk)
         sat = saturated.is_saturated(top)
@@ -197,7 +224,7 @@ def ring_attention(
     for s in range(steps):
         pending = ring.start(buf, 1, _KV_TAG) if s < steps - 1 else None
         j = (c - s) % world
-        kj, vj = _unpack(buf, (k, v))
+        kj, vj = _unpack(buf, (k, v), _length(j, chunk, sizes))
         for qo, ql, qs in q_pieces:
             for ko, kl, ks in _keys(plan, (qo, ql, qs), layout[j]):
                 tile = _block(mask, qo, ql, ko, kl, is_causal, window, q.device)
@@ -228,7 +255,7 @@ def ring_attention(
 
 
 @ring_attention.register_fake
-def _(q, k, v, is_causal, scale, window, zigzag, group_name, mask=None, balance=0):
+def _(q, k, v, is_causal, scale, window, zigzag, group_name, mask=None, balance=0, sizes=None):
     b, h, chunk = q.shape[0], q.shape[1], q.shape[2]
     return q.new_empty((b, h, chunk, v.shape[-1])), q.new_empty((b, h, chunk), dtype=acc_dtype(q.dtype))
 
@@ -249,6 +276,7 @@ def ring_attention_backward(
     mask: Tensor | None = None,
     mask_grad: bool = False,
     balance: int = 0,
+    sizes: list[int] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dmask) of this rank's pieces; dk/dv sum the contributions of every rank's queries.
 
@@ -260,7 +288,7 @@ def ring_attention_backward(
     chunk, c, world = q.shape[2], ring.rank, ring.world
     acc = acc_dtype(q.dtype)
     # The forward's plan again (the mask is the same): queries, their output and lse, and dout move.
-    layout, plan = _layout(ring, chunk, zigzag, mask, is_causal, window, balance, "backward")
+    layout, plan = _layout(ring, chunk, zigzag, mask, is_causal, window, balance, "backward", sizes)
     if plan is not None:
         q, out, lse, dout = plan.to_plan(ring.group, q, out, lse, dout)
     q_pieces = plan.q_pieces if plan is not None else layout[c]
@@ -270,15 +298,15 @@ def ring_attention_backward(
     # The kernels give no gradient for the mask: a mask that needs one takes the block math throughout.
     fused_ok = block_kernel() is FUSED_KERNEL and not mask_grad
     dq = torch.zeros_like(q, dtype=acc)
-    buf = _pack(k, v)
+    buf = _pack(k, v, max(sizes) if sizes else chunk)
     grads = torch.zeros(buf.numel(), dtype=acc, device=q.device)
     dmask = torch.zeros_like(mask, dtype=acc_dtype(mask.dtype)) if mask_grad and mask is not None else None
-    steps = world if plan is not None else _steps(world, chunk, window, zigzag)
+    steps = world if plan is not None else _steps(world, min(sizes) if sizes else chunk, window, zigzag)
     for s in range(steps):
         pending_kv = ring.start(buf, 1, _KV_TAG) if s < steps - 1 else None
         j = (c - s) % world
-        kj, vj = _unpack(buf, (k, v))
-        dk_acc, dv_acc = _unpack(grads, (k, v))
+        kj, vj = _unpack(buf, (k, v), _length(j, chunk, sizes))
+        dk_acc, dv_acc = _unpack(grads, (k, v), _length(j, chunk, sizes))
         for qo, ql, qs in q_pieces:
             for ko, kl, ks in _keys(plan, (qo, ql, qs), layout[j]):
                 tile = _block(mask, qo, ql, ko, kl, is_causal, window, q.device)
@@ -328,7 +356,7 @@ def ring_attention_backward(
     if back:
         # This rank now holds chunk c-(steps-1)'s accumulator: hand it to its owner.
         grads = ring.finish(ring.start(grads, -back, _GRAD_TAG))
-    dk, dv = _unpack(grads, (k, v))
+    dk, dv = _unpack(grads, (k, v), chunk)
     if plan is not None:
         (dq,) = plan.from_plan(ring.group, dq)
     dm = dmask.to(mask.dtype) if dmask is not None else q.new_empty(0)
@@ -337,7 +365,23 @@ def ring_attention_backward(
 
 
 @ring_attention_backward.register_fake
-def _(dout, q, k, v, out, lse, is_causal, scale, window, zigzag, group_name, mask=None, mask_grad=False, balance=0):
+def _(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    is_causal,
+    scale,
+    window,
+    zigzag,
+    group_name,
+    mask=None,
+    mask_grad=False,
+    balance=0,
+    sizes=None,
+):
     dm = torch.empty_like(mask) if mask_grad and mask is not None else q.new_empty(0)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dm
 
@@ -351,9 +395,10 @@ def _layout(
     window: int,
     balance: int,
     phase: str,
+    sizes: list[int] | None,
 ) -> tuple[list[list[tuple[int, int, int]]], balancing.Plan | None]:
     """Every rank's pieces in the program's layout, and this rank's balanced plan when one pays."""
-    layout = [segments(r, chunk, ring.world, zigzag) for r in range(ring.world)]
+    layout = [segments(r, chunk, ring.world, zigzag, sizes) for r in range(ring.world)]
     if mask is None or balance <= 0:
         return layout, None
     plan = balancing.plan(mask, causal, window, layout, ring.rank, balance)
@@ -406,7 +451,7 @@ def _unbroadcast(grad: Tensor, shape: torch.Size) -> Tensor:
 
 
 def _setup(ctx: Any, inputs: tuple, output: tuple) -> None:
-    q, k, v, ctx.is_causal, ctx.scale, ctx.window, ctx.zigzag, ctx.group_name, mask, ctx.balance = inputs
+    q, k, v, ctx.is_causal, ctx.scale, ctx.window, ctx.zigzag, ctx.group_name, mask, ctx.balance, ctx.sizes = inputs
     ctx.has_mask = mask is not None
     ctx.save_for_backward(q, k, v, *output, *([mask] if mask is not None else []))
 
@@ -432,8 +477,9 @@ def _backward(ctx: Any, dout: Tensor, dlse: Tensor | None):
         mask,
         mask_grad,
         ctx.balance,
+        ctx.sizes,
     )
-    return dq, dk, dv, None, None, None, None, None, dmask if mask_grad else None, None
+    return dq, dk, dv, None, None, None, None, None, dmask if mask_grad else None, None, None
 
 
 ring_attention.register_autograd(_backward, setup_context=_setup)

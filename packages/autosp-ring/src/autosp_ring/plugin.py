@@ -14,6 +14,7 @@ RING = SPVariant(
     attention_rule=ring_attention_rule,
     check=check,
     layout=ring_layout,
+    uneven=True,
     doc="ring attention: q stays, k/v travel around the SP group; log-sum-exp merge; any head count; zigzag layout",
 )
 

@@ -3,7 +3,8 @@
 q, k and v arrive sharded on the sequence; an all-to-all gives each rank H/P
 whole-sequence heads, attention runs unchanged on them (causal flags and masks
 keep their meaning, since every rank sees the whole sequence), and the inverse
-all-to-all returns the output sharded on the sequence.
+all-to-all returns the output sharded on the sequence. A length the ranks do not split evenly
+travels padded to equal pieces (``autosp_ulysses.uneven``).
 
 With ``ulysses_chunks=n`` (a variant option, default 1) each rank's heads are processed in n
 groups as a pipeline: group c+1's q/k/v exchange is in flight while group c's attention runs,
@@ -27,6 +28,7 @@ from autosp.sharding import collectives as C
 from autosp.sharding.context import SPContext, SPValue, global_like
 from autosp.sharding.placement import Replicate, SeqAxis, Shard, is_even
 from autosp.sharding.redistribute import gather
+from autosp_ulysses import uneven
 
 
 def check(site: AttentionSite, world: int) -> None:
@@ -59,16 +61,26 @@ def to_heads(ctx: SPContext, v: SPValue, hdim: int, sdim: int) -> torch.Tensor:
     """This rank's heads over the whole sequence."""
     if _exchangeable(ctx, v, hdim, sdim):
         ctx.note("all_to_all")
-        return C.all_to_all(v.local.contiguous(), hdim, sdim, ctx.group_name)
+        length = v.gval.shape[sdim]
+        sent = uneven.pad_own(ctx, v.local, sdim, length).contiguous()
+        return uneven.keep_real(ctx, C.all_to_all(sent, hdim, sdim, ctx.group_name), sdim, length)
     full = gather(ctx, v)
     lo, hi = _head_range(ctx, v.gval.shape[hdim])
     return full.narrow(hdim, lo, hi - lo)
+
+
+def from_heads(ctx: SPContext, out: torch.Tensor, sdim: int, hdim: int, length: Any) -> torch.Tensor:
+    """The inverse exchange: this rank's piece of the sequence for every head."""
+    ctx.note("all_to_all")
+    sent = uneven.pad_each(ctx, out, sdim, length).contiguous()
+    return uneven.cut_own(ctx, C.all_to_all(sent, sdim, hdim, ctx.group_name), sdim, length)
 
 
 def _same_layout(ctx: SPContext, values: list[SPValue], hdim: int, sdim: int) -> bool:
     first = values[0].local
     return all(
         _exchangeable(ctx, v, hdim, sdim)
+        and v.gval.shape[sdim] == values[0].gval.shape[sdim]
         and v.local.dtype == first.dtype
         and v.local.device == first.device
         and [n for d, n in enumerate(v.local.shape) if d != hdim] == [n for d, n in enumerate(first.shape) if d != hdim]
@@ -84,6 +96,7 @@ class _Exchange:
     shape: list[Any]
     carried: list[bool]
     sizes: list[Any]
+    length: Any  # of the sequence, which may travel padded
 
 
 def start_heads(
@@ -104,6 +117,7 @@ def start_heads(
     the same bytes. A value marked ``whole`` travels with group 0 only, all its heads at once.
     """
     P = ctx.world
+    length = values[0].gval.shape[sdim]
     whole = whole or [False] * len(values)
     carried, sizes, blocks = [], [], []
     for v, w in zip(values, whole):
@@ -113,18 +127,20 @@ def start_heads(
             continue
         groups = 1 if w else chunks
         n = heads // (P * groups)
-        blocks.append(v.local.unflatten(hdim, (P, groups, n)).select(hdim + 1, 0 if w else chunk))
+        local = uneven.pad_own(ctx, v.local, sdim, length)
+        blocks.append(local.unflatten(hdim, (P, groups, n)).select(hdim + 1, 0 if w else chunk))
         carried.append(True)
         sizes.append(n)
     packed = torch.cat(blocks, hdim + 1).flatten(hdim, hdim + 1).contiguous()
     ctx.note("all_to_all")
     buf = C.all_to_all_start(packed, hdim, sdim, ctx.group_name)
-    return _Exchange(buf, list(packed.shape), carried, sizes)
+    return _Exchange(buf, list(packed.shape), carried, sizes, length)
 
 
 def finish_heads(ctx: SPContext, ex: _Exchange, hdim: int, sdim: int) -> list[torch.Tensor | None]:
     """This rank's heads of each value started by ``start_heads`` (None where not carried), over the whole sequence."""
-    mine = iter(C.all_to_all_wait(ex.buf, ex.shape, hdim, sdim, ctx.group_name).split(ex.sizes, hdim))
+    got = C.all_to_all_wait(ex.buf, ex.shape, hdim, sdim, ctx.group_name)
+    mine = iter(uneven.keep_real(ctx, t, sdim, ex.length) for t in got.split(ex.sizes, hdim))
     return [next(mine) if c else None for c in ex.carried]
 
 
@@ -238,6 +254,7 @@ def _pipelined(
 ) -> torch.Tensor:
     """Attention over head groups, each group's exchanges in flight during another group's attention."""
     chunks, whole = plan
+    length = values[0].gval.shape[sdim]
     q_heads = int(values[0].gval.shape[hdim])
     q_per_chunk = q_heads // (ctx.world * chunks)
     group = q_heads // int(values[1].gval.shape[hdim])
@@ -261,14 +278,14 @@ def _pipelined(
         if d is not None:
             per = m.shape[d] // chunks
             m = m.narrow(d, c * per, per)
-        out = _sdpa(a, ql, kl, vl, m, gqa or any(whole)).contiguous()
+        out = uneven.pad_each(ctx, _sdpa(a, ql, kl, vl, m, gqa or any(whole)), sdim, length).contiguous()
         ctx.note("all_to_all")
         backs.append((C.all_to_all_start(out, sdim, hdim, ctx.group_name), list(out.shape)))
     # Group c of every rank comes back as [P, heads/(P*chunks)]; rank r's heads are its groups in order.
     parts = [C.all_to_all_wait(buf, shape, sdim, hdim, ctx.group_name) for buf, shape in backs]
     per = parts[0].shape[hdim] // ctx.world
     stacked = torch.stack([p.unflatten(hdim, (ctx.world, per)) for p in parts], hdim + 1)
-    return stacked.flatten(hdim, hdim + 2)
+    return uneven.cut_own(ctx, stacked.flatten(hdim, hdim + 2), sdim, length)
 
 
 def ulysses_attention(ctx: SPContext, node: torch.fx.Node, site: AttentionSite, args: tuple, kwargs: dict) -> SPValue:
@@ -302,15 +319,14 @@ def ulysses_attention(ctx: SPContext, node: torch.fx.Node, site: AttentionSite, 
         if isinstance(spec.mask, int) and isinstance(args[spec.mask], SPValue):
             local[spec.mask] = _mask_heads(ctx, args[spec.mask], site.heads, hdim)[0]
         out = node.target(*local, **{k_: (x.local if isinstance(x, SPValue) else x) for k_, x in kwargs.items()})
-    ctx.note("all_to_all")
-    back = C.all_to_all(out.contiguous(), sdim, hdim, ctx.group_name)
-    return SPValue(back, placement, node.meta["val"])
+    return SPValue(from_heads(ctx, out, sdim, hdim, length), placement, node.meta["val"])
 
 
 __all__ = [
     "check",
     "chunk_option",
     "finish_heads",
+    "from_heads",
     "kv_heads",
     "start_heads",
     "to_heads",

@@ -19,13 +19,12 @@ from torch.utils import _pytree as pytree
 
 from autosp import flex_blocks
 from autosp.analysis.attention import AttentionSite
-from autosp.sharding import collectives as C
 from autosp.sharding.context import SPContext, SPValue
 from autosp.sharding.placement import HeadShard, SeqAxis, Shard
 from autosp.sharding.redistribute import whole_local
 from autosp.sharding.rules.base import fallback
+from autosp_ulysses.attention import from_heads, to_heads, to_heads_fused
 from autosp_ulysses.attention import kv_heads as split_kv_heads
-from autosp_ulysses.attention import to_heads, to_heads_fused
 
 
 def flex_rule(ctx: SPContext, node: torch.fx.Node, site: AttentionSite, args: tuple, kwargs: dict) -> Any:
@@ -47,9 +46,8 @@ def flex_rule(ctx: SPContext, node: torch.fx.Node, site: AttentionSite, args: tu
     out, lse, *rest = node.target(
         ql, kl, vl, score_mod, local_block, scale, options, tuple(score_bufs), tuple(mask_bufs)
     )
-    ctx.note("all_to_all")
-    back = C.all_to_all(out.contiguous(), sdim, hdim, ctx.group_name)
     length = site.seq_len
+    back = from_heads(ctx, out, sdim, hdim, length)
     vals = node.meta["val"]
     shard = Shard(SeqAxis(sdim, length), ctx.even_ranges(length))
     # The log-sum-exp (and the row max) stay head-sharded over the whole sequence; a use gathers them.

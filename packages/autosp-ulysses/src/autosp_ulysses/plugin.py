@@ -18,6 +18,7 @@ ULYSSES = SPVariant(
     attention_rule=_attention,
     check=check,
     prepare=lambda ctx: chunk_option(ctx.options.variant_options),
+    uneven=True,
     doc="DeepSpeed-Ulysses: all-to-all between sequence- and head-sharded around attention",
 )
 

@@ -19,7 +19,7 @@ from autosp.analysis.attention import AttentionSite
 from autosp.context import CompileContext
 from autosp.errors import AutoSPError, ConfigError
 from autosp.passes.manager import Pass, Stage
-from autosp.variants import SPVariant
+from autosp.variants import SPVariant, refuses_length
 
 AUTO = "auto"
 DEGREE_KEYS = ("ulysses_degree", "ring_degree")
@@ -73,6 +73,9 @@ def sequence_sites(ctx: CompileContext) -> list[AttentionSite]:
 def _accepts(variant: SPVariant, ctx: CompileContext) -> str | None:
     """Why ``variant`` refuses a site of this graph, or None."""
     for site in sequence_sites(ctx):
+        length = refuses_length(variant, _length(site.seq_len), ctx.world)
+        if length is not None:
+            return length
         if not site.spec.rewritten_by(variant.name):
             continue  # runs whole under this variant: exact, so no reason to leave the variant out
         try:

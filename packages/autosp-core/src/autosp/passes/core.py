@@ -33,10 +33,12 @@ from autosp.passes.unrepeat import UNREPEAT_KV
 from autosp.sharding import collectives as C
 from autosp.sharding.context import SPContext
 from autosp.sharding.dims import guess_seq_dim
+from autosp.sharding.placement import even_ranges
 from autosp.sharding.propagate import shard_graph
 from autosp.tensor_hooks import keep_tensor_hooks
 from autosp.untracked_writes import refuse_untracked_writes
 from autosp.user_function import keep_user_functions
+from autosp.variants import refuses_length
 
 
 def _specs(ctx: CompileContext) -> list:
@@ -56,11 +58,12 @@ def _drop_sites_not_rewritten(ctx: CompileContext) -> None:
 
 def _drop_sites_not_splitting_evenly(ctx: CompileContext) -> None:
     """A self-attention over another length than the sequence (landmarks, pooled tokens) that the
-    ranks cannot split evenly: the variants exchange equal pieces, so it runs by the engine's rules
-    (each rank's query rows, or whole), exact."""
+    variant cannot take (it exchanges equal pieces, or some rank would get no token): it runs by the
+    engine's rules (each rank's query rows, or whole), exact."""
+    assert ctx.variant is not None  # only sequence-parallel graphs get here
     for site in list(ctx.sites):
         length = _concrete(site.seq_len)
-        if isinstance(length, int) and length % ctx.world:
+        if isinstance(length, int) and length % ctx.world and (not ctx.variant.uneven or length < ctx.world):
             ctx.sites.remove(site)
             ctx.report.notes.append(
                 f"attention {site.name}: its length {length} is not divisible by sp_size={ctx.world}, so no variant "
@@ -259,7 +262,7 @@ def _settle_sequence(ctx: CompileContext, lengths: list, written_out: list[Eager
         )
         return
     if seq % ctx.world:
-        raise AutoSPError(_not_divisible(ctx, seq))
+        _take_uneven(ctx, seq)
     _drop_sites_not_rewritten(ctx)
     _drop_sites_not_splitting_evenly(ctx)
     for site in ctx.sites:
@@ -272,6 +275,34 @@ def _settle_sequence(ctx: CompileContext, lengths: list, written_out: list[Eager
             dim = guess_seq_dim(x.shape, seq)
             where = f"sequence axis {dim}" if dim is not None else "no sequence axis"
             ctx.report.inputs.append(f"{name} {list(x.shape)}: {where}")
+
+
+def _take_uneven(ctx: CompileContext, seq: int | torch.SymInt) -> None:
+    """A length the ranks do not split evenly: balanced pieces one token apart, for a variant that
+    takes them (``SPVariant.uneven``) and a concrete length; else the refusal says what to do."""
+    assert ctx.variant is not None
+    n = seq
+    # A length marked dynamic, even one compiling has since fixed (Dynamo then refuses the fixed size).
+    marked = any(
+        isinstance(d, torch.SymInt) and hint(d) == hint(seq)
+        for x in ctx.fake_inputs
+        if isinstance(x, torch.Tensor)
+        for d in x.shape
+    )
+    if not isinstance(n, int) or marked:
+        raise AutoSPError(
+            _not_divisible(ctx, seq) + "; or compile without marking the length dynamic (uneven pieces need "
+            "concrete lengths)"
+        )
+    if refuses_length(ctx.variant, n, ctx.world) is not None:
+        takers = sorted(name for name, v in ctx.registry.variants.items() if v.uneven)
+        other = f"; or use variant={takers[0]!r}, which takes any length" if takers else ""
+        raise AutoSPError(_not_divisible(ctx, seq) + other)
+    pieces = sorted({hi - lo for ((lo, hi),) in even_ranges(n, ctx.world)}, reverse=True)
+    ctx.report.notes.append(
+        f"sequence length {n} is not divisible by sp_size={ctx.world}: the ranks hold pieces of "
+        f"{' and '.join(map(str, pieces))} tokens (exact; the longest piece sets the memory)"
+    )
 
 
 def _not_divisible(ctx: CompileContext, seq: int | torch.SymInt) -> str:
