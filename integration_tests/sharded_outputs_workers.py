@@ -87,3 +87,52 @@ def run(rank: int, world: int, variant: str, backend: str) -> dict[str, Any]:
         compiled(_ids())
     out["whole_notes"] = [n for r in compiled.autosp_reports for n in r.notes]
     return out
+
+
+class CutLM(nn.Module):
+    """Logits with the first ``cut`` positions dropped: a sequence output of another length than the input's."""
+
+    def __init__(self, cut: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.cut = cut
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.q, self.k, self.v = (nn.Linear(DIM, DIM, bias=False) for _ in range(3))
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        q, k, v = (p(x).unflatten(-1, (4, DIM // 4)).transpose(1, 2) for p in (self.q, self.k, self.v))
+        x = x + F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2)
+        return self.head(x)[:, self.cut :]
+
+
+def run_uneven(rank: int, world: int, cases: list[tuple[int, int, bool]], variant: str) -> dict[tuple, Any]:
+    """Per (length, cut, marked dynamic): the logits whole, their type and local length, gradients' error."""
+    from torch.distributed.tensor import DTensor
+
+    out: dict[tuple, Any] = {}
+    for seq, cut, dynamic in cases:
+        torch._dynamo.reset()
+        ids = torch.randint(0, VOCAB, (2, seq), generator=torch.Generator().manual_seed(seq))
+        ref_model, model = CutLM(cut), CutLM(cut)
+        ref = ref_model(ids)
+        ref.logsumexp(-1).pow(2).mean().backward()
+        compiled = autosp.compile(model, backend="aot_eager", variant=variant, outputs="sharded")
+        if dynamic:
+            torch._dynamo.mark_dynamic(ids, 1)
+        with caches_off():
+            logits = compiled(ids)
+            local = logits.to_local().shape[1] if isinstance(logits, DTensor) else None
+            whole = logits.full_tensor() if isinstance(logits, DTensor) else logits
+            whole.logsumexp(-1).pow(2).mean().backward()
+        out[seq, cut, dynamic] = {
+            "dtensor": isinstance(logits, DTensor),
+            "local": local,
+            "error": (whole - ref).abs().max().item(),
+            "grad_error": max(
+                (p.grad - r.grad).abs().max().item() for p, r in zip(model.parameters(), ref_model.parameters())
+            ),
+            "notes": [n for r in compiled.autosp_reports for n in r.notes],
+        }
+    return out

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from harness import run_spmd
-from sharded_outputs_workers import SEQ, reference, run
+from sharded_outputs_workers import SEQ, reference, run, run_uneven
 
 
 @pytest.mark.parametrize(
@@ -32,3 +32,25 @@ def test_logits_as_dtensor(variant: str, world: int, backend: str) -> None:
         assert any("outputs gathered whole" in n and "outputs='sharded'" in n for n in got["whole_notes"]), got[
             "whole_notes"
         ]
+
+
+@pytest.mark.parametrize(
+    ("world", "variant"),
+    [(2, "ulysses"), pytest.param(4, "ring", marks=pytest.mark.extended(covered_by="test_uneven_lengths_as_dtensor"))],
+)
+def test_uneven_lengths_as_dtensor(world: int, variant: str) -> None:
+    # A sequence output whose length the ranks do not split evenly (logits[:, 1:], or an input of 15
+    # tokens) comes back in torch.chunk's pieces, a DTensor Shard's layout (an empty last rank too):
+    # once each rank claimed its piece times P as the global length, and gathering it aborted gloo.
+    # A symbolic such length comes back whole (the note says why); a symbolic even one, a DTensor.
+    cases = [(16, 1, False), (15, 0, False), (6, 1, False), (16, 1, True), (16, 0, True)]
+    for rank, got in enumerate(run_spmd(run_uneven, world, cases, variant)):
+        for (seq, cut, dynamic), r in got.items():
+            where = f"{variant} P={world} rank {rank}: length {seq - cut}, dynamic {dynamic}"
+            assert r["error"] < 1e-5 and r["grad_error"] < 1e-5, (where, r)
+            if dynamic and (seq - cut) % world:
+                assert not r["dtensor"] and any("gathered whole" in n for n in r["notes"]), (where, r)
+                continue
+            assert r["dtensor"], where
+            size = -(-(seq - cut) // world)
+            assert r["local"] == max(0, min(size, seq - cut - rank * size)), (where, r["local"])

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import torch
+
 from autosp.sharding.dims import guess_seq_dim, map_view
-from autosp.sharding.placement import SeqAxis, even_ranges, in_rank_order, is_even, zigzag_ranges
+from autosp.sharding.placement import SeqAxis, chunk_ranges, even_ranges, in_rank_order, is_even, zigzag_ranges
 
 
 def test_flatten_batch_and_sequence_keeps_the_axis_with_an_outer_factor():
@@ -34,6 +36,16 @@ def test_even_ranges_cover_the_sequence_without_gaps():
     assert all(a[1] == b[0] for a, b in zip(uneven, uneven[1:]))
     assert is_even(even_ranges(16, 4), 16) and not is_even((((0, 3),), ((3, 16),)), 16)
     assert in_rank_order(even_ranges(16, 4))
+
+
+def test_chunk_ranges_are_torch_chunks_pieces():
+    # A DTensor Shard's layout: torch.chunk's pieces, the last ranks shorter or empty.
+    for length, world in [(16, 4), (15, 2), (5, 4), (13, 4), (3, 4), (7, 3)]:
+        pieces = [hi - lo for ((lo, hi),) in chunk_ranges(length, world)]
+        chunks = [len(c) for c in torch.arange(length).chunk(world)]
+        assert pieces == chunks + [0] * (world - len(chunks)), (length, world)
+        assert in_rank_order(chunk_ranges(length, world))
+    assert chunk_ranges(16, 4) == even_ranges(16, 4)
 
 
 def test_zigzag_gives_each_rank_a_head_and_a_tail_chunk():

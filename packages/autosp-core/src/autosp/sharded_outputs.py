@@ -1,7 +1,8 @@
 """``outputs="sharded"``: sequence-sharded outputs handed back as DTensors instead of gathered whole.
 
-The SP rewrite returns such an output as this rank's even, contiguous piece (``finish``); this
-wrapper of the compiled graph makes it a ``DTensor`` with ``Shard(dim)`` over a mesh of the SP
+The SP rewrite returns such an output as this rank's contiguous piece in ``torch.chunk``'s layout,
+which is a DTensor ``Shard``'s, even where the ranks do not split the length evenly (``finish``);
+this wrapper of the compiled graph makes it a ``DTensor`` with ``Shard(dim)`` over a mesh of the SP
 group, so ``.full_tensor()`` gathers it only when asked and its backward sends each rank the
 gradient of its own piece, as the compiled backward expects.
 """
@@ -27,12 +28,16 @@ def _mesh(group: dist.ProcessGroup, device_type: str) -> Any:
     return _MESHES[key]
 
 
-def as_dtensor(local: torch.Tensor, dim: int, group: dist.ProcessGroup) -> Any:
-    """This rank's piece of a tensor split evenly along ``dim`` over ``group``, as a ``DTensor``."""
+def as_dtensor(local: torch.Tensor, dim: int, group: dist.ProcessGroup, length: Any = None) -> Any:
+    """This rank's piece of a tensor chunked along ``dim`` over ``group``, as a ``DTensor``.
+
+    ``length``: the whole tensor's size along ``dim`` when known at compile time (an int); a
+    symbolic one splits evenly, so it is this rank's piece times the ranks.
+    """
     from torch.distributed.tensor import DTensor, Shard
 
     shape = list(local.shape)
-    shape[dim] *= dist.get_world_size(group)
+    shape[dim] = length if isinstance(length, int) else shape[dim] * dist.get_world_size(group)
     stride = torch.empty(shape, device="meta").stride()
     return DTensor.from_local(
         local, _mesh(group, local.device.type), [Shard(dim)], run_check=False, shape=torch.Size(shape), stride=stride
@@ -48,7 +53,7 @@ def wrap_outputs(fn: Callable[..., Any], shards: Sequence[tuple[int, Any] | None
     def run(*args: Any) -> Any:
         outs = fn(*args)
         wrapped = [
-            as_dtensor(o, s[0], group) if s is not None and isinstance(o, torch.Tensor) else o
+            as_dtensor(o, s[0], group, s[1]) if s is not None and isinstance(o, torch.Tensor) else o
             for o, s in zip(outs, shards)
         ]
         return type(outs)(wrapped) if isinstance(outs, tuple) else wrapped

@@ -57,6 +57,13 @@ def even_ranges(length: IntLike, world: int) -> Layout:
     return tuple(((r * length // world, (r + 1) * length // world),) for r in range(world))
 
 
+def chunk_ranges(length: int, world: int) -> Layout:
+    """``torch.chunk``'s pieces, the layout of a DTensor ``Shard``: ceil(length / world) tokens a rank
+    while they last (the last ranks shorter or empty). ``even_ranges`` where ``world`` divides ``length``."""
+    size = -(-length // world)
+    return tuple(((min(r * size, length), min((r + 1) * size, length)),) for r in range(world))
+
+
 def zigzag_ranges(length: IntLike, world: int) -> Layout:
     """Rank r holds chunks r and 2P-1-r of 2P: under a causal mask every rank does the same work."""
     chunk = length // (2 * world)
@@ -135,6 +142,7 @@ __all__ = [
     "Replicate",
     "SeqAxis",
     "Shard",
+    "chunk_ranges",
     "even_ranges",
     "in_rank_order",
     "is_even",

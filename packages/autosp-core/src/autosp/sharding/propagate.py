@@ -24,7 +24,7 @@ from autosp.errors import AutoSPError
 from autosp.sharding import collectives as C
 from autosp.sharding.context import SPContext, SPValue
 from autosp.sharding.dims import guess_seq_dim
-from autosp.sharding.placement import HeadShard, Partial, Replicate, SeqAxis, Shard
+from autosp.sharding.placement import HeadShard, Partial, Replicate, SeqAxis, Shard, chunk_ranges
 from autosp.sharding.redistribute import gather, to_replicate, to_shard
 from autosp.sharding.rules import all_replicated, elementwise_rule, fallback, is_elementwise, replicated, values
 from autosp.sharding.rules.base import Rule, accepted
@@ -189,11 +189,19 @@ def finish(ctx: SPContext, v: Any, may_need_grad: bool = True) -> Any:
     shape = [int(n) if isinstance(n, int) else str(n) for n in v.gval.shape]
     p = v.placement
     if ctx.sharded_outputs and isinstance(p, Shard) and p.axis.inner == 1:
-        # Even, contiguous pieces in rank order: what a DTensor ``Shard(dim)`` holds.
         dim, length = p.axis.dim, p.axis.length
-        ctx.output_shards.append((dim, length))
-        ctx.outputs.append(f"{shape} shard -> returned as this rank's piece (outputs='sharded')")
-        return to_shard(ctx, v, dim, Shard(SeqAxis(dim, length), ctx.even_ranges(length)))
+        # What a DTensor ``Shard(dim)`` holds: torch.chunk's contiguous pieces in rank order, for a
+        # length the ranks split evenly or not (logits[:, :-1]). A symbolic length must split evenly:
+        # the DTensor's global size is then each rank's piece times the ranks, whatever the call's length.
+        if isinstance(length, int) or length % ctx.world == 0:
+            ranges = chunk_ranges(length, ctx.world) if isinstance(length, int) else ctx.even_ranges(length)
+            ctx.output_shards.append((dim, length))
+            ctx.outputs.append(f"{shape} shard -> returned as this rank's piece (outputs='sharded')")
+            return to_shard(ctx, v, dim, Shard(SeqAxis(dim, length), ranges))
+        ctx.notes.append(
+            f"an output of symbolic length {length} along the sequence is gathered whole (outputs='sharded' "
+            f"returns a DTensor only where the length splits evenly over {ctx.world} ranks, or is not symbolic)"
+        )
     ctx.output_shards.append(None)
     ctx.outputs.append(
         f"{shape} {type(v.placement).__name__.lower()}"
