@@ -41,6 +41,7 @@ def run_compiled(rank: int, world: int, spec: fp.Spec, options: dict[str, Any]) 
         "losses": result["losses"].numpy(),
         "grads": {n: None if g is None else g.numpy() for n, g in result["grads"].items()},
         "fallbacks": [f for report in compiled.autosp_reports for f in report.fallbacks],
+        "notes": [n for report in compiled.autosp_reports for n in report.notes],
     }
 
 
@@ -95,9 +96,12 @@ def check_program(
     variant_options: dict[str, Any] | None = None,
     stats: Stats | None = None,
     timeout_s: float = 180.0,
+    notes: list[str] | None = None,
     **compile_options: Any,
 ) -> str:
     """``"ok"`` or ``"refused"``; raises ``FuzzFailure`` saying what went wrong.
+
+    ``notes``: extended with rank 0's report notes when the program ran.
 
     ``compile_options`` go to ``autosp.compile`` (default ``backend="aot_eager"``, ``fullgraph=True``).
     """
@@ -119,7 +123,13 @@ def check_program(
     if errors:
         first = errors[0]
         same = len(errors) == pool.world and len({(e.type_name, e.message) for e in errors}) == 1
-        if same and first.is_a("AutoSPError"):
+        # A refusal, not AutoSP's own bugs that it reports as errors (collectives that differ per
+        # rank, a pass that crashed).
+        if (
+            same
+            and first.is_a("AutoSPError")
+            and not (first.is_a("CollectiveMismatch") or first.is_a("CompileCrashed"))
+        ):
             if stats is not None:
                 stats.refused += 1
                 stats.refusals[first.message.split(";")[0][:120]] += 1
@@ -130,6 +140,8 @@ def check_program(
         diffs = compare(got, ref)
         if diffs:
             raise FuzzFailure(f"rank {rank} differs from single-device eager: {diffs[:6]}\n{where}")
+    if notes is not None:
+        notes.extend(per_rank[0]["notes"])
     if stats is not None:
         stats.ok += 1
         fallbacks = per_rank[0]["fallbacks"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import replace
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypedDict, cast
@@ -17,11 +18,12 @@ from autosp.canonical import inputs_in_canonical_order, permuted
 from autosp.compile_agreement import (
     WHOLE_MARK,
     CapturedDigest,
+    CollectiveMismatch,
     SameProgramOnEveryRun,
     agree_on_compile_joining_runs,
     program_text,
 )
-from autosp.errors import ConfigError
+from autosp.errors import ConfigError, first_line
 from autosp.guards import CALL_INPUTS, GraphRuns, GuardedCall, guard_compiled, guard_graph, naming_comm_failures
 from autosp.hardware import load_profile
 from autosp.hardware_select import HardwareOption
@@ -176,6 +178,36 @@ class AutoSPBackend:
             return permuted(self._compile(gm, example_inputs), order)
 
     def _compile(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        """``_compile_once``, and once more without SAC where the ranks' recomputed collectives parted.
+
+        Under SAC the partitioner places each recomputed collective before its first use in the
+        backward, and the ranks' backward graphs differ in rank-dependent compute (a rolled piece
+        that wraps on one rank only), so the ranks may recompute their collectives in different
+        orders: the compile agreement then refuses it on every rank at once. Without recompute tags
+        no collective is recomputed, and the backward's keep the joint graph's order on every rank.
+        """
+        spare = untouched_copy(gm) if self.world > 1 and self.options.sac is not False else None
+        before = len(self.reports)
+        try:
+            return self._compile_once(gm, example_inputs)
+        except CollectiveMismatch as mismatch:
+            if spare is None:
+                raise
+            del self.reports[before:]
+            asked = self.options
+            self.options = replace(asked, sac=False)
+            try:
+                fn = self._compile_once(spare, example_inputs)
+            finally:
+                self.options = asked
+            self.reports[-1].notes.append(
+                f"compiled with sac=False (asked: sac={asked.sac!r}): with recompute, the SP ranks' backward graphs "
+                f"issued their recomputed collectives in different orders ({first_line(mismatch)}); exact, with the "
+                "activations saved for the backward instead of recomputed (more memory)"
+            )
+            return fn
+
+    def _compile_once(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         from autosp.compiler import _is_param, compile_graph
 
         compile_id = torch._guards.CompileContext.current_compile_id()
@@ -191,7 +223,14 @@ class AutoSPBackend:
             if held:
                 return self._compile_holding_writes(gm, example_inputs, held, what)
             try:
-                with torch_state_restored():
+                # No graph of an SP program comes from AOT autograd's cache: a hit skips the partition
+                # and the passes, so the compile agreement would have no collective sequence to compare
+                # (a rank whose cached graph parted from its peers' would wait in a collective until the
+                # timeout). Inductor's FX graph cache, the costly part, still applies.
+                no_cache = (
+                    torch._functorch.config.patch(enable_autograd_cache=False) if self.world > 1 else nullcontext()
+                )
+                with torch_state_restored(), no_cache:
                     fn = compile_graph(
                         gm, example_inputs, self.options, self.registry, self.group, self.world, self.reports
                     )

@@ -20,7 +20,9 @@ after it (the partitioner's CSE and dead-code removal, Inductor's scheduler) are
 (``autosp.passes.collective_order``); ranks whose sequences still differ would hang in their first
 unpaired collective, or pair two collectives of one kind and size silently. So every rank raises
 ``CollectiveMismatch`` instead, naming the first difference: a bug in AutoSP, never the user's.
-A rank that took its graphs from AOT autograd's cache has no sequence to offer; then none is compared.
+SP graphs never come from AOT autograd's cache (``AutoSPBackend._compile_once``), whose hits would
+skip the partition and so bring no sequence to compare. Ranks whose recomputed collectives (SAC)
+parted are compiled again without recompute (``AutoSPBackend._compile``).
 
 Ranks running a graph begin each run with the same all-reduce (``SameProgramOnEveryRun``), so when
 Dynamo recompiles on some ranks only, the compiling ranks' agreement meets the running ranks' run
