@@ -242,11 +242,18 @@ def loss_heads(tap: st.SearchStrategy[int]) -> st.SearchStrategy[Spec]:
 
 
 @st.composite
-def programs(draw: st.DrawFn, world: int, masks: tuple[str, ...] = MASKS, max_body: int = 5) -> Spec:
-    """A random program whose sequence length is a multiple of ``2 * world``, with at least one attention."""
+def programs(
+    draw: st.DrawFn, world: int, masks: tuple[str, ...] = MASKS, max_body: int = 5, uneven: bool = False
+) -> Spec:
+    """A random program whose sequence length is a multiple of ``2 * world``, with at least one attention.
+
+    ``uneven``: a length ``world`` does not divide instead (pieces one token apart).
+    """
     dim = draw(st.sampled_from([16, 32]))
     heads = draw(st.sampled_from([4, 8]))
     seq = 2 * world * draw(st.integers(1, max(1, 32 // (2 * world))))
+    if uneven:
+        seq = world * draw(st.integers(1, max(1, 32 // world))) + draw(st.integers(1, world - 1))
     body = draw(st.lists(body_ops(heads, masks), max_size=max_body - 1))
     at = draw(st.integers(0, len(body)))
     body.insert(at, draw(attention_ops(heads, masks)))

@@ -28,7 +28,7 @@ from fuzz_check import FuzzFailure, Stats, check_program
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from spmd_pool import PoolTimeout, SPMDPool, sleep_on
 
-# Examples per configuration in CI (5 configurations; an example took 15-30 s on 2 loaded cores in
+# Examples per configuration in CI (4 configurations, at P = 2; an example took 15-30 s on 2 loaded cores in
 # the suite's slowest runs, and the CI's 25-minute budget holds everything else too). Explore
 # further with AUTOSP_FUZZ_EXAMPLES and AUTOSP_FUZZ_SEED.
 CI_EXAMPLES = 3
@@ -39,15 +39,19 @@ COMPILE_OPTIONS = {
     "sac": {"true": True, "false": False}.get(os.environ.get("AUTOSP_FUZZ_SAC", "auto").lower(), "auto"),
 }
 
-CONFIGS = [  # (P, variant, variant_options)
-    (2, "ulysses", {}),
-    (2, "ring", {}),
-    (4, "ulysses", {}),
+CONFIGS = [  # (P, variant, variant_options, lengths P does not divide)
+    (2, "ulysses", {}, False),
+    (2, "ring", {}, False),
+    (2, "ulysses", {}, True),
+    (2, "ring", {}, True),
+    (4, "ulysses", {}, False),
     # Ring balances query rows by a model-built mask in chunks of >= 128 tokens by default: more
     # than these programs hold. At P=4 every chunk size is allowed, so the plan (rows moved, or finer
     # tiles only) meets every mask kind; at P=2 the program's layout does.
-    (4, "ring", {"balance_chunk": 1}),
-    (4, "hybrid", {"ulysses_degree": 2, "balance_chunk": 1}),
+    (4, "ring", {"balance_chunk": 1}, False),
+    (4, "hybrid", {"ulysses_degree": 2, "balance_chunk": 1}, False),
+    (3, "ring", {}, True),
+    (4, "ulysses", {}, True),
 ]
 # Four ranks: in `hatch run test-all` (CI runs P=2).
 EXTENDED = pytest.mark.extended(covered_by="test_random_programs_match_single_device")
@@ -118,11 +122,19 @@ def test_pool_reports_a_hang_and_recovers(pools: dict[int, SPMDPool]) -> None:
 
 
 @pytest.mark.parametrize(
-    ("world", "variant", "options"),
-    [pytest.param(p, v, o, id=f"{v}-P{p}", marks=[EXTENDED] if p > 2 else []) for p, v, o in CONFIGS],
+    ("world", "variant", "options", "uneven"),
+    [
+        pytest.param(p, v, o, u, id=f"{v}-P{p}" + ("-uneven" if u else ""), marks=[EXTENDED] if p > 2 else [])
+        for p, v, o, u in CONFIGS
+    ],
 )
 def test_random_programs_match_single_device(
-    pools: dict[int, SPMDPool], world: int, variant: str, options: dict, record_property: pytest.RecordProperty
+    pools: dict[int, SPMDPool],
+    world: int,
+    variant: str,
+    options: dict,
+    uneven: bool,
+    record_property: pytest.RecordProperty,
 ) -> None:
     if variant not in installed_variants():
         pytest.skip(f"variant {variant!r} is not installed (its package provides it)")
@@ -130,7 +142,7 @@ def test_random_programs_match_single_device(
     stats = Stats()
     masks = fp.MASKS if variant == "ulysses" else RING_MASKS
 
-    @seed(zlib.crc32(f"{variant}-P{world}".encode()) + SEED_SHIFT)
+    @seed(zlib.crc32(f"{variant}-P{world}{'-uneven' if uneven else ''}".encode()) + SEED_SHIFT)
     @settings(
         max_examples=EXAMPLES,
         deadline=None,
@@ -138,7 +150,7 @@ def test_random_programs_match_single_device(
         phases=[Phase.explicit, Phase.generate, Phase.shrink],
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
     )
-    @given(fp.programs(world, masks=masks))
+    @given(fp.programs(world, masks=masks, uneven=uneven))
     def check(spec: fp.Spec) -> None:
         check_program(pool, spec, variant, options, stats, **COMPILE_OPTIONS)
 
