@@ -184,7 +184,7 @@ class AutoSPBackend:
         backward, and the ranks' backward graphs differ in rank-dependent compute (a rolled piece
         that wraps on one rank only), so the ranks may recompute their collectives in different
         orders: the compile agreement then refuses it on every rank at once. Without recompute tags
-        no collective is recomputed, and the backward's keep the joint graph's order on every rank.
+        no collective is recomputed, and the backward's collectives keep the joint graph's order on every rank.
         """
         spare = untouched_copy(gm) if self.world > 1 and self.options.sac is not False else None
         before = len(self.reports)

@@ -73,9 +73,9 @@ def sequence_sites(ctx: CompileContext) -> list[AttentionSite]:
 def _accepts(variant: SPVariant, ctx: CompileContext) -> str | None:
     """Why ``variant`` refuses a site of this graph, or None."""
     for site in sequence_sites(ctx):
-        length = refuses_length(variant, _length(site.seq_len), ctx.world)
-        if length is not None:
-            return length
+        why = refuses_length(variant, _length(site.seq_len), ctx.world)
+        if why is not None:
+            return why
         if not site.spec.rewritten_by(variant.name):
             continue  # runs whole under this variant: exact, so no reason to leave the variant out
         try:

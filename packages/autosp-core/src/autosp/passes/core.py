@@ -281,7 +281,6 @@ def _take_uneven(ctx: CompileContext, seq: int | torch.SymInt) -> None:
     """A length the ranks do not split evenly: balanced pieces one token apart, for a variant that
     takes them (``SPVariant.uneven``) and a concrete length; else the refusal says what to do."""
     assert ctx.variant is not None
-    n = seq
     # A length marked dynamic, even one compiling has since fixed (Dynamo then refuses the fixed size).
     marked = any(
         isinstance(d, torch.SymInt) and hint(d) == hint(seq)
@@ -289,18 +288,18 @@ def _take_uneven(ctx: CompileContext, seq: int | torch.SymInt) -> None:
         if isinstance(x, torch.Tensor)
         for d in x.shape
     )
-    if not isinstance(n, int) or marked:
+    if not isinstance(seq, int) or marked:
         raise AutoSPError(
             _not_divisible(ctx, seq) + "; or compile without marking the length dynamic (uneven pieces need "
             "concrete lengths)"
         )
-    if refuses_length(ctx.variant, n, ctx.world) is not None:
+    if refuses_length(ctx.variant, seq, ctx.world) is not None:
         takers = sorted(name for name, v in ctx.registry.variants.items() if v.uneven)
         other = f"; or use variant={takers[0]!r}, which takes any length" if takers else ""
         raise AutoSPError(_not_divisible(ctx, seq) + other)
-    pieces = sorted({hi - lo for ((lo, hi),) in even_ranges(n, ctx.world)}, reverse=True)
+    pieces = sorted({hi - lo for ((lo, hi),) in even_ranges(seq, ctx.world)}, reverse=True)
     ctx.report.notes.append(
-        f"sequence length {n} is not divisible by sp_size={ctx.world}: the ranks hold pieces of "
+        f"sequence length {seq} is not divisible by sp_size={ctx.world}: the ranks hold pieces of "
         f"{' and '.join(map(str, pieces))} tokens (exact; the longest piece sets the memory)"
     )
 
