@@ -569,8 +569,15 @@ UNEVEN = {
     # Lengths no world size here divides (13, 17, 19, 23 over 2, 3 or 4 ranks; once refused): pieces one
     # token apart, attention sharded (no site run whole), exact. A token shift across the pieces'
     # border, T5's and ALiBi's biases from global positions, OPT's positions from the padding mask,
-    # rows every key of which finfo.min masks.
-    "ulysses": [("rwkv-shift", 17, 2), ("t5-bias", 13, 2), ("opt-positions", 19, 1), ("leftpad-finfo", 23, 2)],
+    # rows every key of which finfo.min masks; value heads wider than q/k (a rank without padding once
+    # placed its exchanges apart from the padded rank's: CollectiveMismatch).
+    "ulysses": [
+        ("rwkv-shift", 17, 2),
+        ("t5-bias", 13, 2),
+        ("opt-positions", 19, 1),
+        ("leftpad-finfo", 23, 2),
+        ("wide-value-heads", 13, 2),
+    ],
     "ring": [("alibi", 13, 2), ("head-bias-3d", 17, 2), ("leftpad-finfo", 19, 2), ("complex-rope", 23, 2)],
 }
 

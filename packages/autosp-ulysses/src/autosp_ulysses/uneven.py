@@ -29,11 +29,11 @@ def sizes(ctx: SPContext, length: IntLike) -> list[int] | None:
 
 
 def _pad(t: torch.Tensor, dim: int, to: int) -> torch.Tensor:
-    short = to - t.shape[dim]
-    if short == 0:
-        return t
+    # Also where nothing is missing (zero rows): every rank's graph then has the same ops here, and
+    # the passes that place ops by the graph's structure (the overlap pass, the partitioner) see the
+    # same structure on every rank.
     shape = list(t.shape)
-    shape[dim] = short
+    shape[dim] = to - t.shape[dim]
     return torch.cat([t, t.new_zeros(shape)], dim)
 
 

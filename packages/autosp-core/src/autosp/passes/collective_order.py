@@ -51,6 +51,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.fx import Graph, Node
 
 from autosp.errors import AutoSPError
+from autosp.sharding import collectives as C
 from autosp.torch_compat import CustomSchedulerPass
 
 _WAITS = frozenset({torch.ops._c10d_functional.wait_tensor.default})
@@ -65,12 +66,22 @@ def talks_to(target: Any) -> bool:
     return isinstance(target, torch._ops.OpOverload) and any(a.name == "group_name" for a in target._schema.arguments)
 
 
+def is_wait(node: Node) -> bool:
+    """A wait of a functional collective or of AutoSP's exchange: completes an op on this rank alone."""
+    return node.op == "call_function" and (node.target in _WAITS or node.target in C.WAIT_OPS)
+
+
 def talks_to_group(node: Node) -> bool:
     return node.op == "call_function" and talks_to(node.target)
 
 
 def group_op_sequence(graph: Graph, label: Callable[[str], str] = str) -> list[str]:
     """The graph's group ops in its order, each as ``op@label(group)``: what every SP rank must issue alike.
+
+    Waits are left out: a wait completes an op this rank issued, on this rank alone, and pairs with
+    nothing on another rank; where the overlap pass puts it follows this rank's graph (Inductor's
+    decompositions drop a cat of zero rows, the padding of a piece that is already the longest, on
+    that rank only), so two ranks may wait at other points of one sequence.
 
     Sizes and other arguments may differ between ranks (their pieces); which ops, in which order, may
     not. An all-reduce is the exception: every rank sends the same shape (a partial sum, a gradient
@@ -81,7 +92,7 @@ def group_op_sequence(graph: Graph, label: Callable[[str], str] = str) -> list[s
     """
     out = []
     for node in graph.nodes:
-        if not talks_to_group(node):
+        if not talks_to_group(node) or is_wait(node):
             continue
         schema = node.target._schema
         names = [a.name for a in schema.arguments]
@@ -302,6 +313,7 @@ __all__ = [
     "group_op_sequence",
     "group_size_label",
     "inductor_patches",
+    "is_wait",
     "keep_collectives",
     "scheduled_order",
     "talks_to",
