@@ -18,7 +18,7 @@ from autosp.analysis.attention import AttentionSite, hints
 from autosp.errors import AutoSPError, ConfigError
 from autosp.lowering import FLEX, SDPA, sdpa_args
 from autosp.sharding.context import SPContext, SPValue
-from autosp.sharding.placement import Layout, Replicate, SeqAxis, Shard, zigzag_ranges
+from autosp.sharding.placement import Layout, Replicate, SeqAxis, Shard, piece_lengths, zigzag_ranges
 from autosp.sharding.redistribute import to_replicate, to_shard
 from autosp_ring.blocks import acc_dtype, default_scale
 from autosp_ring.flex import ring_flex_rule
@@ -174,7 +174,7 @@ def ring_attention_rule(ctx: SPContext, node: torch.fx.Node, site: AttentionSite
     zigzag = layout != ctx.even_ranges(length)
     balance = balance_chunk(ctx.variant_options)
     # A length the ranks do not split evenly: contiguous pieces one token apart (ring_layout gives no zigzag).
-    sizes = None if zigzag or length % ctx.world == 0 else [int(hi - lo) for ((lo, hi),) in layout]
+    sizes = None if zigzag or length % ctx.world == 0 else [int(n) for n in piece_lengths(layout)]
     out, _ = torch.ops.autosp_ring.ring_attention(
         q, k, v, call.causal, call.scale, call.window, zigzag, ctx.group_name, mask, balance, sizes
     )

@@ -18,14 +18,14 @@ from __future__ import annotations
 import torch
 
 from autosp.sharding.context import SPContext
-from autosp.sharding.placement import IntLike
+from autosp.sharding.placement import IntLike, piece_lengths
 
 
 def sizes(ctx: SPContext, length: IntLike) -> list[int] | None:
     """Each rank's piece of a ``length`` split by ``even_ranges``; None when they are all alike."""
     if not isinstance(length, int) or length % ctx.world == 0:
         return None
-    return [int(hi - lo) for ((lo, hi),) in ctx.even_ranges(length)]
+    return [int(n) for n in piece_lengths(ctx.even_ranges(length))]
 
 
 def _pad(t: torch.Tensor, dim: int, to: int) -> torch.Tensor:

@@ -33,7 +33,7 @@ from autosp.passes.unrepeat import UNREPEAT_KV
 from autosp.sharding import collectives as C
 from autosp.sharding.context import SPContext
 from autosp.sharding.dims import guess_seq_dim
-from autosp.sharding.placement import even_ranges
+from autosp.sharding.placement import even_ranges, piece_lengths
 from autosp.sharding.propagate import shard_graph
 from autosp.tensor_hooks import keep_tensor_hooks
 from autosp.untracked_writes import refuse_untracked_writes
@@ -297,7 +297,7 @@ def _take_uneven(ctx: CompileContext, seq: int | torch.SymInt) -> None:
         takers = sorted(name for name, v in ctx.registry.variants.items() if v.uneven)
         other = f"; or use variant={takers[0]!r}, which takes any length" if takers else ""
         raise AutoSPError(_not_divisible(ctx, seq) + other)
-    pieces = sorted({hi - lo for ((lo, hi),) in even_ranges(seq, ctx.world)}, reverse=True)
+    pieces = sorted(set(piece_lengths(even_ranges(seq, ctx.world))), reverse=True)
     ctx.report.notes.append(
         f"sequence length {seq} is not divisible by sp_size={ctx.world}: the ranks hold pieces of "
         f"{' and '.join(map(str, pieces))} tokens (exact; the longest piece sets the memory)"

@@ -57,6 +57,11 @@ def even_ranges(length: IntLike, world: int) -> Layout:
     return tuple(((r * length // world, (r + 1) * length // world),) for r in range(world))
 
 
+def piece_lengths(layout: Layout) -> list[IntLike]:
+    """How many positions each rank holds."""
+    return [sum(hi - lo for lo, hi in pieces) for pieces in layout]
+
+
 def chunk_ranges(length: int, world: int) -> Layout:
     """``torch.chunk``'s pieces, the layout of a DTensor ``Shard``: ceil(length / world) tokens a rank
     while they last (the last ranks shorter or empty). ``even_ranges`` where ``world`` divides ``length``."""
@@ -101,7 +106,7 @@ class Shard:
     ranges: Layout
 
     def local_length(self, rank: int) -> IntLike:
-        return sum(hi - lo for lo, hi in self.ranges[rank])
+        return piece_lengths(self.ranges)[rank]
 
     def same_layout(self, other: Shard) -> bool:
         return (
@@ -146,5 +151,6 @@ __all__ = [
     "even_ranges",
     "in_rank_order",
     "is_even",
+    "piece_lengths",
     "zigzag_ranges",
 ]
