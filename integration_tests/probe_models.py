@@ -586,11 +586,17 @@ NAMES = list(BUILDERS)
 
 
 def build(name: str, seq: int) -> nn.Module:
+    from probe_tasks import TASKS  # it builds on this module's blocks
+
     torch.manual_seed(0)
-    return BUILDERS[name](seq)
+    return (TASKS.get(name) or BUILDERS[name])(seq)
 
 
 def inputs(name: str, seq: int = 16, batch: int = 2) -> tuple[torch.Tensor, ...]:
+    from probe_tasks import TASKS, task_inputs
+
+    if name in TASKS:
+        return task_inputs(name, seq, batch)
     if name.startswith("hf-"):
         return hf_inputs(name, seq, batch)
     g = torch.Generator().manual_seed(3)

@@ -31,8 +31,12 @@ def step(model: Any, args: tuple) -> dict[str, Any]:
     torch.manual_seed(11)
     params = model._orig_mod if hasattr(model, "_orig_mod") else model
     before = dict(params.named_buffers())
+    # The caller's tensors, its own copy per run: a program that writes into them (or reads their
+    # gradient) is compared on what it left there.
+    args = tuple(a.detach().clone().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a for a in args)
     loss, outs = _scalar(model(*args))
     loss.backward()
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
     after = dict(params.named_buffers())
     state = {id(t): n for n, t in [*params.named_parameters(), *after.items()]}
     return {
@@ -43,6 +47,8 @@ def step(model: Any, args: tuple) -> dict[str, Any]:
             "outputs": [state.get(id(o)) for o in outs],
         },
         "outs": [o.detach().clone() for o in outs],
+        "inputs": [a.detach().clone() for a in tensors],
+        "input_grads": [a.grad.clone() for a in tensors if a.grad is not None],
         "grads": {n: p.grad.clone() for n, p in params.named_parameters() if p.grad is not None},
         "buffers": {n: b.detach().clone() for n, b in params.named_buffers()},
         # What the call left in the parameters (a forward that writes one through .data).
@@ -58,6 +64,10 @@ def differences(got: dict[str, Any], ref: dict[str, Any]) -> list[str]:
             f"buffers kept and outputs that are the model's tensors: {got.get('identity')} vs {ref.get('identity')}"
         )
     pairs = [(f"output {i}", g, r) for i, (g, r) in enumerate(zip(got["outs"], ref["outs"]))]
+    for kind in ("inputs", "input_grads"):
+        if len(got.get(kind, [])) != len(ref.get(kind, [])):
+            problems.append(f"{kind}: {len(got.get(kind, []))} vs {len(ref.get(kind, []))}")
+        pairs += [(f"{kind} {i}", g, r) for i, (g, r) in enumerate(zip(got.get(kind, []), ref.get(kind, [])))]
     if got["grads"].keys() != ref["grads"].keys():
         problems.append(f"gradients of {sorted(got['grads'])} vs {sorted(ref['grads'])}")
     scale = max((g.abs().max().item() for g in ref["grads"].values()), default=1.0)

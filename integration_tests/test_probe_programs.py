@@ -28,6 +28,7 @@ from collections.abc import Iterator
 import pytest
 from harness import run_spmd
 from probe_models import HOOKS, ROUTES
+from probe_tasks import TASKS
 from probe_workers import run_inference, run_probes
 from spmd_pool import RankError, SPMDPool
 
@@ -637,3 +638,46 @@ def test_a_write_autograd_does_not_record_that_one_read_cannot_state_is_refused(
 def test_fifth_round_probes_on_four_ranks(variant: str, probes: list[tuple[str, int, int]]) -> None:
     """Fully masked rows merged over four ring blocks (zigzag pieces), 3 landmarks over 4 ranks."""
     _exact(run_spmd(run_probes, 4, probes, variant), probes, f"{variant} P=4")
+
+
+# The eleventh round (probe_tasks.py), at a length the ranks split unevenly: random draws in the
+# forward (MAE's shuffle, masking done in the model, noise), the caller's tensors written in place or
+# differentiated, statistics and pooling over the sequence, a sequence-first layer, weights shared,
+# frozen and tied, Python reading values (.item(), .tolist(), boolean indexing, graph breaks), and
+# Hugging Face's question-answering, token-classification and multiple-choice heads.
+ELEVENTH_ROUND = [(name, 15, 2) for name in TASKS]
+# Inductor draws random numbers with its own generator, as torch.compile does on one device; with
+# fallback_random it draws eager's, so the SP program is compared with eager's draws exactly.
+DRAWS = [("mae-masking", 15, 2), ("mlm-inside", 15, 2), ("noise-injection", 15, 2)]
+EAGER_DRAWS = {"fullgraph": False, "sac": True, "options": {"fallback_random": True}}
+
+
+def _eleventh_exact(per_rank: list, probes: list, what: str) -> None:
+    for where, r in _exact(per_rank, probes, what):
+        assert r["sharded"] and all(r["sharded"]), f"{where}: {r['sharded']}"
+
+
+def test_eleventh_round(pool: SPMDPool) -> None:
+    per_rank = pool.run(run_probes, ELEVENTH_ROUND, "ulysses", "aot_eager", {"fullgraph": False}, timeout_s=600)
+    _eleventh_exact(per_rank, ELEVENTH_ROUND, "ulysses")
+
+
+def test_draws_in_the_forward_under_inductor(pool: SPMDPool) -> None:
+    _eleventh_exact(pool.run(run_probes, DRAWS, "ulysses", "inductor", EAGER_DRAWS, timeout_s=600), DRAWS, "inductor")
+
+
+@pytest.mark.parametrize(
+    ("variant", "world", "seq", "backend"),
+    [("ring", 3, 17, "aot_eager"), ("hybrid", 4, 16, "aot_eager"), ("ulysses", 4, 18, "inductor")],
+)
+@pytest.mark.extended(covered_by="test_eleventh_round")
+def test_eleventh_round_on_more_ranks(variant: str, world: int, seq: int, backend: str) -> None:
+    names = list(TASKS)
+    if backend == "inductor":  # one of each kind, to keep the compile time down
+        drawn = {name for name, _, _ in DRAWS}
+        names = [n for n in names if n in drawn or n.startswith(("input-", "item", "graph", "tolist", "boolean"))]
+        names += ["masked-pool", "seq-stats", "hf-qa-llama"]
+    probes = [(name, seq, 2) for name in names]
+    options = EAGER_DRAWS if backend == "inductor" else {"fullgraph": False}
+    per_rank = run_spmd(run_probes, world, probes, variant, backend, options)
+    _eleventh_exact(per_rank, probes, f"{variant} {backend} P={world}")
