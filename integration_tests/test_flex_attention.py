@@ -90,6 +90,17 @@ def test_hybrid_cuts_flex_attention_to_heads_and_rows():
             assert got["collectives"]["all_to_all"] == 5, got["collectives"]
 
 
+@pytest.mark.extended(covered_by="test_hybrid_cuts_flex_attention_to_heads_and_rows")
+def test_hybrid_runs_flex_attention_whole_at_a_length_the_ranks_split_unevenly():
+    # 130 tokens over 4 ranks: SDPA's layer runs sharded (padded exchanges, uneven ring spans), Flex
+    # whole on every rank, exact, and the report says why.
+    per_rank = _check(4, "hybrid", CASES, seq=130, lse=True, options={"ulysses_degree": 2})
+    for results in per_rank:
+        for got in results.values():
+            assert any("its 130 tokens do not split evenly over 4 ranks" in f for f in got["fallbacks"]), got
+            assert got["collectives"]["ring_attention"] == 1, got["collectives"]
+
+
 def test_mods_reading_captured_tensors():
     # A learned bias table (its gradient flows through Flex's backward into the parameter) and
     # document ids made from the input. Lowering crashed on both ("NYI: Functionalize rule for

@@ -52,6 +52,7 @@ CONFIGS = [  # (P, variant, variant_options, lengths P does not divide)
     (4, "hybrid", {"ulysses_degree": 2, "balance_chunk": 1}, False),
     (3, "ring", {}, True),
     (4, "ulysses", {}, True),
+    (4, "hybrid", {"ulysses_degree": 2, "balance_chunk": 1}, True),
 ]
 # Four ranks: in `hatch run test-all` (CI runs P=2).
 EXTENDED = pytest.mark.extended(covered_by="test_random_programs_match_single_device")

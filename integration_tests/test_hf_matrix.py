@@ -159,7 +159,7 @@ def test_a_missing_gradient_all_reduce_is_caught(pool: SPMDPool) -> None:
 
 # Vision encoders, whose sequence the model makes: patches plus the tokens it adds ([CLS], registers),
 # lengths the ranks do not split evenly (17 over 2, 3 and 4 ranks, 21 over 2 and 4): once refused,
-# now balanced pieces one token apart (autosp_ulysses.uneven, the ring op's ``sizes``).
+# now balanced pieces one token apart (autosp.sharding.padded, the ring op's ``sizes``; hybrid both).
 VIT = "ViT classifier ([CLS] + 16 patches: 17 tokens)"
 BEIT = "BEiT (relative position bias, [CLS] + 16 patches)"
 DINO = "DINOv2 with registers ([CLS], 4 registers + 16 patches: 21 tokens)"
@@ -169,6 +169,7 @@ UNEVEN_ROWS = [
     pytest.param(3, Row(VIT, "ring"), "aot_eager", marks=pytest.mark.extended(covered_by="test_uneven_lengths")),
     pytest.param(4, Row(DINO, "ulysses"), "inductor", marks=pytest.mark.extended(covered_by="test_uneven_lengths")),
     pytest.param(4, Row(BEIT, "ring"), "aot_eager", marks=pytest.mark.extended(covered_by="test_uneven_lengths")),
+    pytest.param(4, Row(VIT, "hybrid"), "inductor", marks=pytest.mark.extended(covered_by="test_uneven_lengths")),
 ]
 
 

@@ -580,6 +580,9 @@ UNEVEN = {
         ("wide-value-heads", 13, 2),
     ],
     "ring": [("alibi", 13, 2), ("head-bias-3d", 17, 2), ("leftpad-finfo", 19, 2), ("complex-rope", 23, 2)],
+    # At P=4 (ulysses_degree 2): spans of 6 and 7 tokens around the ring (13), equal spans of unequal
+    # pieces (18: 4+5 and 4+5), each group's pieces alike but the spans not (19: 4+5 and 5+5).
+    "hybrid": [("t5-bias", 13, 2), ("leftpad-finfo", 18, 2), ("wide-value-heads", 19, 2), ("rwkv-shift", 17, 2)],
 }
 
 
@@ -598,6 +601,10 @@ _UNEVEN_MORE = pytest.mark.extended(covered_by="test_lengths_the_ranks_do_not_sp
         pytest.param("ring", 3, "inductor", {"sac": True}, marks=_UNEVEN_MORE),
         pytest.param("ulysses", 4, "aot_eager", {}, marks=_UNEVEN_MORE),
         pytest.param("ring", 4, "aot_eager", {}, marks=_UNEVEN_MORE),
+        ("hybrid", 4, "aot_eager", {}),
+        pytest.param(
+            "hybrid", 4, "inductor", {"sac": True, "variant_options": {"balance_chunk": 1}}, marks=_UNEVEN_MORE
+        ),
     ],
 )
 def test_lengths_the_ranks_do_not_split_evenly_are_exact(

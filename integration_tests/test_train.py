@@ -81,7 +81,6 @@ def test_resume_with_other_settings_is_refused(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--seq-len", "127", "--sp-size", "4", "--variant", "hybrid"], r"--seq-len 127 is not divisible.*124 or 128"),
         (["--sp-size", "3"], r"--heads 4 is not divisible by --sp-size 3"),
         (["--sp-size", "2", "--nproc", "3"], r"--nproc 3 is not a multiple of --sp-size 2"),
         (["--sp-size", "2", "--backend", "none"], r"--backend none .* --sp-size 1"),
@@ -101,9 +100,9 @@ def test_cli_reports_bad_flags_as_usage_error(capsys: pytest.CaptureFixture[str]
     from autosp_tools.train import main
 
     with pytest.raises(SystemExit) as exit_info:
-        main(TINY + ["--seq-len", "127", "--sp-size", "4", "--variant", "hybrid"])
+        main(TINY + ["--heads", "2", "--sp-size", "4", "--variant", "ulysses"])
     assert exit_info.value.code == 2
-    assert "not divisible by --sp-size 4" in capsys.readouterr().err
+    assert "--heads 2 is not divisible by --sp-size 4" in capsys.readouterr().err
 
 
 def test_batches_are_a_function_of_seed_and_step() -> None:

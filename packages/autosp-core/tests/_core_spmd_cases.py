@@ -50,7 +50,7 @@ def config_errors(rank: int, world: int) -> dict[str, Any]:
     # Ring must look "not installed" whether or not autosp-ring is: block it.
     os.environ["AUTOSP_BLOCK_PLUGINS"] = "autosp-ring"
     reset_registry()
-    # A variant that splits the sequence into equal pieces only (hybrid's case; ring is blocked here).
+    # A variant that splits the sequence into equal pieces only (a plugin's case; ring is blocked here).
     variants = get_registry().variants
     variants["equal-pieces"] = dataclasses.replace(variants["ulysses"], name="equal-pieces", uneven=False)
     called: list[str] = []

@@ -187,11 +187,6 @@ def torchrun_world() -> int | None:
     return None
 
 
-def _nearest_multiples(n: int, k: int) -> str:
-    lo, hi = (n // k) * k, (n // k + 1) * k
-    return f"{lo} or {hi}" if lo > 0 else f"{hi}"
-
-
 def _model_dims(ns: argparse.Namespace, errors: list[str]) -> tuple[int, int, int, int, int]:
     preset = dict(zip(("dim", "layers", "heads", "kv_heads", "hidden"), PRESETS[ns.model_size]))
     given = {k: getattr(ns, k) for k in preset if getattr(ns, k) is not None}
@@ -275,11 +270,6 @@ def _check_parallel(ns: argparse.Namespace, heads: int, errors: list[str]) -> in
         errors.append(f"{where} {nproc} is not --dp {ns.dp} x --sp-size {sp}; give one of them, or make them agree")
     if ns.seq_len < 2:
         errors.append(f"--seq-len {ns.seq_len} is too short; a causal LM needs at least 2 tokens")
-    elif ns.seq_len % sp and ns.variant == "hybrid":
-        errors.append(
-            f"--seq-len {ns.seq_len} is not divisible by --sp-size {sp}: hybrid splits each sequence into equal "
-            f"pieces; use --seq-len {_nearest_multiples(ns.seq_len, sp)}, or --variant ulysses or ring"
-        )
     if nproc % sp:
         errors.append(f"{where} {nproc} is not a multiple of --sp-size {sp}; each rank must be in one SP group")
     elif ns.batch_size >= 1 and ns.batch_size % (nproc // sp):

@@ -4,7 +4,9 @@ SP rank ``p = i * U + u`` (ring index i, ulysses index u) holds sequence chunk p
 An all-to-all in ulysses group i (ranks ``i*U .. i*U+U-1``) gives each member
 H/U heads over the group's contiguous span ``[i*S/R, (i+1)*S/R)``; the ring op
 then runs over ring group u (ranks ``u, U+u, ...``), whose members hold the same
-heads on consecutive spans, and the inverse all-to-all restores chunk p.
+heads on consecutive spans, and the inverse all-to-all restores chunk p. A length P does not
+divide leaves chunks one token apart: they cross the ulysses group padded to the longest and the
+ring carries spans of different lengths (``uneven_pieces``).
 Subgroups are made once per (SP group, U) by a compile-time pass, on every rank.
 """
 
@@ -26,8 +28,9 @@ from autosp.lowering import FLEX
 from autosp.options import group_timeout
 from autosp.passes.core import leave_to_engine
 from autosp.sharding import collectives as C
+from autosp.sharding import padded
 from autosp.sharding.context import SPContext, SPValue
-from autosp.sharding.placement import Replicate, SeqAxis, Shard
+from autosp.sharding.placement import IntLike, Replicate, SeqAxis, Shard, even_ranges, piece_lengths
 from autosp.sharding.redistribute import to_shard, whole_local
 from autosp.sharding.rules.base import fallback
 from autosp_ring.attention import balance_chunk, from_bhsd, parse, seq_chunks, whole_mask
@@ -154,16 +157,19 @@ def hybrid_flex_rule(ctx: SPContext, node: torch.fx.Node, site: AttentionSite, a
     per = heads // g.degree
     block = tuple(whole_local(ctx, x) for x in block)
     local = None
-    if isinstance(length, int) and not kwargs and site.kv_seq_len == length and block[0] == length:
+    uneven = isinstance(length, int) and length % ctx.world != 0
+    if isinstance(length, int) and not uneven and not kwargs and site.kv_seq_len == length and block[0] == length:
         span = length // rings
         pieces = ((i * span, (i + 1) * span),)
         local = flex_blocks.heads_of(block, heads, rank_u * per, (rank_u + 1) * per)
         local = flex_blocks.rows_of(local, pieces) if local is not None else None
     if local is None:
-        ctx.fallbacks.append(
-            f"{node.name} (FlexAttention): its block mask does not cut into whole query blocks of {rings} spans "
-            "and its heads; run whole on every rank, q, k and v gathered"
+        why = (
+            f"its {length} tokens do not split evenly over {ctx.world} ranks"
+            if uneven
+            else f"its block mask does not cut into whole query blocks of {rings} spans and its heads"
         )
+        ctx.fallbacks.append(f"{node.name} (FlexAttention): {why}; run whole on every rank, q, k and v gathered")
         return fallback(ctx, node, args, kwargs)
     even = Shard(SeqAxis(2, length), ctx.even_ranges(length))
     ql, kl, vl = (
@@ -190,15 +196,33 @@ def hybrid_flex_rule(ctx: SPContext, node: torch.fx.Node, site: AttentionSite, a
     )
 
 
+def uneven_pieces(length: IntLike, world: int, degree: int, ring_index: int) -> tuple[list[int], list[int]] | None:
+    """For a length ``world`` does not divide: the pieces of this rank's ulysses group's members and
+    the spans of the ring (each group's pieces together), in rank order; None for equal pieces.
+
+    Lists even where this group's own pieces happen to be alike, so that every rank runs the same ops.
+    """
+    if not isinstance(length, int) or length % world == 0:
+        return None
+    pieces = [int(n) for n in piece_lengths(even_ranges(length, world))]
+    spans = [sum(pieces[i * degree : (i + 1) * degree]) for i in range(world // degree)]
+    return pieces[ring_index * degree : (ring_index + 1) * degree], spans
+
+
 def hybrid_attention_rule(ctx: SPContext, node: torch.fx.Node, site: AttentionSite, args: tuple, kwargs: dict) -> Any:
     if site.spec is FLEX:
         return hybrid_flex_rule(ctx, node, site, args, kwargs)
     g: Groups = ctx.variant_state
     call = parse(node, site, args, kwargs)
     q, k, v = seq_chunks(ctx, site, call)
-    rank_u = ctx.rank % g.degree
+    ring_index, rank_u = divmod(ctx.rank, g.degree)
+    sdim, length = site.axis("S"), site.seq_len
+    # Uneven pieces cross the ulysses group padded to the longest (``autosp.sharding.padded``); the
+    # ring then carries spans of different lengths, which its op reads by ``sizes``.
+    members, spans = uneven_pieces(length, ctx.world, g.degree, ring_index) or (None, None)
     ctx.note("all_to_all")
-    qh, kh, vh = qkv_to_heads(q, k, v, site.heads, g, rank_u)
+    qs, ks, vs = (padded.pad_own(x, 2, members) for x in (q, k, v))
+    qh, kh, vh = (padded.keep_real(x, 2, members) for x in qkv_to_heads(qs, ks, vs, site.heads, g, rank_u))
     mask = whole_mask(ctx, site, call)
     if mask is not None and mask.shape[1] > 1:
         per = site.heads // g.degree
@@ -206,11 +230,19 @@ def hybrid_attention_rule(ctx: SPContext, node: torch.fx.Node, site: AttentionSi
     # Every rank of a ring group holds the same heads (ranks[j::U]), so the same mask and plan.
     balance = balance_chunk(ctx.variant_options)
     out, _ = torch.ops.autosp_ring.ring_attention(
-        qh, kh, vh, call.causal, call.scale, call.window, False, g.ring, mask, balance
+        qh, kh, vh, call.causal, call.scale, call.window, False, g.ring, mask, balance, spans
     )
-    back = C.all_to_all(out.contiguous(), 2, 1, g.ulysses)
-    sdim, length = site.axis("S"), site.seq_len
+    back = C.all_to_all(padded.pad_each(out, 2, members).contiguous(), 2, 1, g.ulysses)
+    back = padded.cut_own(back, 2, members, rank_u)
     return SPValue(from_bhsd(site, back), Shard(SeqAxis(sdim, length), ctx.even_ranges(length)), node.meta["val"])
 
 
-__all__ = ["Groups", "hybrid_attention_rule", "hybrid_flex_rule", "make_groups", "qkv_to_heads", "ulysses_degree"]
+__all__ = [
+    "Groups",
+    "hybrid_attention_rule",
+    "hybrid_flex_rule",
+    "make_groups",
+    "qkv_to_heads",
+    "ulysses_degree",
+    "uneven_pieces",
+]

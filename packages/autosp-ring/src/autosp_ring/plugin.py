@@ -23,6 +23,7 @@ HYBRID = SPVariant(
     attention_rule=hybrid_attention_rule,
     check=check,
     prepare=make_groups,
+    uneven=True,
     doc="USP: Ulysses inside groups of ulysses_degree ranks, ring attention across them",
 )
 
