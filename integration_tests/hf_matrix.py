@@ -199,9 +199,12 @@ class Row:
     variant: str
     checkpointing: bool = False
     mode: Mode = "train"
+    seq: int = SEQ
+    padding: bool = False  # an attention mask: left padding in the first row, right padding in the second
 
     def label(self) -> str:
-        return f"{self.model} | {self.variant} | checkpointing {'on' if self.checkpointing else 'off'} | {self.mode}"
+        extra = (f" | {self.seq} tokens" if self.seq != SEQ else "") + (" | padded" if self.padding else "")
+        return f"{self.model} | {self.variant} | checkpointing {'on' if self.checkpointing else 'off'} | {self.mode}{extra}"
 
 
 def _more() -> Any:
@@ -221,18 +224,24 @@ def build(row: Row) -> Any:
     return model.train(row.mode != "eval")
 
 
-def batch(row: Row, seq: int = SEQ) -> dict[str, torch.Tensor]:
+def batch(row: Row) -> dict[str, torch.Tensor]:
     """Token ids and labels; causal LMs get labels with ignored (-100) tokens, shifted inside the model."""
     g = torch.Generator().manual_seed(1)
     if row.model not in BUILDERS and row.model in _more().VISION:
         return _more().vision_batch(g)
+    seq = row.seq
     ids = torch.randint(3, VOCAB, (BATCH, seq), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, :4], mask[1, seq - 3 :] = 0, 0  # a left-padded row and a right-padded one
+    padding = {"attention_mask": mask} if row.padding else {}
     if row.model in CLASSIFIERS or (row.model not in BUILDERS and row.model in _more().CLASSIFIERS):
-        return {"input_ids": ids, "labels": torch.randint(0, CLASSES, (BATCH,), generator=g)}
+        return {"input_ids": ids, "labels": torch.randint(0, CLASSES, (BATCH,), generator=g), **padding}
     labels = ids.clone()
     labels[0, 3] = labels[0, seq // 2 + 1] = -100  # one ignored token on each half of the sequence
     labels[1, : seq // 4] = -100  # a prompt whose tokens are not trained on
-    return {"input_ids": ids, "labels": labels}
+    if row.padding:
+        labels = labels.masked_fill(mask == 0, -100)
+    return {"input_ids": ids, "labels": labels, **padding}
 
 
 def _step(model: Any, inputs: dict[str, torch.Tensor], mode: Mode) -> dict[str, Any]:
