@@ -107,7 +107,9 @@ class CutLM(nn.Module):
         return self.head(x)[:, self.cut :]
 
 
-def run_uneven(rank: int, world: int, cases: list[tuple[int, int, bool]], variant: str) -> dict[tuple, Any]:
+def run_uneven(
+    rank: int, world: int, cases: list[tuple[int, int, bool]], variant: str, backend: str = "aot_eager"
+) -> dict[tuple, Any]:
     """Per (length, cut, marked dynamic): the logits whole, their type and local length, gradients' error."""
     from torch.distributed.tensor import DTensor
 
@@ -118,7 +120,7 @@ def run_uneven(rank: int, world: int, cases: list[tuple[int, int, bool]], varian
         ref_model, model = CutLM(cut), CutLM(cut)
         ref = ref_model(ids)
         ref.logsumexp(-1).pow(2).mean().backward()
-        compiled = autosp.compile(model, backend="aot_eager", variant=variant, outputs="sharded")
+        compiled = autosp.compile(model, backend=backend, variant=variant, outputs="sharded")
         if dynamic:
             torch._dynamo.mark_dynamic(ids, 1)
         with caches_off():

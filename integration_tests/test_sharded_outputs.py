@@ -34,17 +34,25 @@ def test_logits_as_dtensor(variant: str, world: int, backend: str) -> None:
         ]
 
 
+_UNEVEN_MORE = pytest.mark.extended(covered_by="test_uneven_lengths_as_dtensor")
+
+
 @pytest.mark.parametrize(
-    ("world", "variant"),
-    [(2, "ulysses"), pytest.param(4, "ring", marks=pytest.mark.extended(covered_by="test_uneven_lengths_as_dtensor"))],
+    ("world", "variant", "backend"),
+    [
+        (2, "ulysses", "aot_eager"),
+        pytest.param(4, "ring", "aot_eager", marks=_UNEVEN_MORE),
+        pytest.param(4, "hybrid", "inductor", marks=_UNEVEN_MORE),
+        pytest.param(2, "ulysses", "inductor", marks=_UNEVEN_MORE),
+    ],
 )
-def test_uneven_lengths_as_dtensor(world: int, variant: str) -> None:
+def test_uneven_lengths_as_dtensor(world: int, variant: str, backend: str) -> None:
     # A sequence output whose length the ranks do not split evenly (logits[:, 1:], or an input of 15
     # tokens) comes back in torch.chunk's pieces, a DTensor Shard's layout (an empty last rank too):
     # once each rank claimed its piece times P as the global length, and gathering it aborted gloo.
     # A symbolic such length comes back whole (the note says why); a symbolic even one, a DTensor.
     cases = [(16, 1, False), (15, 0, False), (6, 1, False), (16, 1, True), (16, 0, True)]
-    for rank, got in enumerate(run_spmd(run_uneven, world, cases, variant)):
+    for rank, got in enumerate(run_spmd(run_uneven, world, cases, variant, backend)):
         for (seq, cut, dynamic), r in got.items():
             where = f"{variant} P={world} rank {rank}: length {seq - cut}, dynamic {dynamic}"
             assert r["error"] < 1e-5 and r["grad_error"] < 1e-5, (where, r)
