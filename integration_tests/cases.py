@@ -105,13 +105,26 @@ def matmul_shapes(rank: int, world: int, batch: dict[str, torch.Tensor], backend
     return shapes
 
 
-def dynamic_lengths(rank: int, world: int, batches: list[torch.Tensor]) -> dict[str, Any]:
-    """One compiled graph for several sequence lengths, marked dynamic by the user."""
+def dynamic_lengths(
+    rank: int, world: int, batches: list[torch.Tensor], variant: str = "ulysses", backend: str = "aot_eager"
+) -> dict[str, Any]:
+    """One compiled graph for several sequence lengths, marked dynamic by the user (a refusal's message
+    in place of the steps where the variant refuses)."""
     model = build("llama")
-    compiled = autosp.compile(model, backend="aot_eager", fullgraph=True)
-    steps = []
+    compiled = autosp.compile(model, backend=backend, fullgraph=True, variant=variant)
+    steps: list[Any] = []
     for ids in batches:
         torch._dynamo.mark_dynamic(ids, 1)
         model.zero_grad(set_to_none=True)
-        steps.append(step(compiled, "llama", {"ids": ids, "labels": ids}))
-    return {"steps": steps, "graphs": len(compiled.autosp_reports), "report": str(compiled.autosp_reports[0])}
+        try:
+            steps.append(step(compiled, "llama", {"ids": ids, "labels": ids}))
+        except autosp.AutoSPError as e:
+            steps.append(str(e))
+    reports = compiled.autosp_reports
+    return {
+        "steps": steps,
+        "graphs": len(reports),
+        "report": str(reports[0]),
+        "notes": [r.notes for r in reports],
+        "collectives": [dict(r.collectives) for r in reports],
+    }

@@ -108,6 +108,47 @@ def test_matmuls_see_only_local_tokens():
     assert max(max(s) for s in shapes) <= local_tokens, sorted({tuple(s) for s in shapes})
 
 
+_DYNAMIC_MORE = pytest.mark.extended(
+    covered_by="test_a_dynamic_length_the_ranks_split_unevenly_compiles_once_per_remainder"
+)
+
+
+@pytest.mark.parametrize(
+    ("world", "backend"),
+    [
+        (2, "aot_eager"),
+        pytest.param(4, "aot_eager", marks=_DYNAMIC_MORE),
+        pytest.param(2, "inductor", marks=_DYNAMIC_MORE),
+    ],
+)
+def test_a_dynamic_length_the_ranks_split_unevenly_compiles_once_per_remainder(world: int, backend: str) -> None:
+    # Once refused ("uneven pieces need concrete lengths"): a length marked dynamic that the ranks split
+    # unevenly gets symbolic pieces, the graph guarded on the length's remainder modulo P.
+    gen = torch.Generator().manual_seed(5)
+    lengths = (32, 33, 47, 48, 35) if world == 2 else (32, 33, 34, 35, 37, 42)
+    batches = [torch.randint(0, 96, (2, s), generator=gen) for s in lengths]
+    per_rank = run_spmd(cases.dynamic_lengths, world, batches, "ulysses", backend)
+    for result in per_rank:
+        assert result["graphs"] == world, result["notes"]
+        for ids, got in zip(batches, result["steps"]):
+            assert not isinstance(got, str), got
+            assert_matches(got, cases.reference("llama", {"ids": ids, "labels": ids}), f"llama S={ids.shape[1]}")
+        # Exchanged padded, nothing gathered; the report says which lengths each graph serves.
+        for notes, counts in zip(result["notes"][1:], result["collectives"][1:]):
+            assert any(f"modulo {world})" in n and "marked dynamic" in n for n in notes), notes
+            assert counts.get("all_to_all") and not counts.get("all_gather"), counts
+
+
+def test_ring_refuses_a_dynamic_length_the_ranks_split_unevenly_and_names_ulysses():
+    gen = torch.Generator().manual_seed(5)
+    batches = [torch.randint(0, 96, (2, s), generator=gen) for s in (32, 33)]
+    (result, _) = run_spmd(cases.dynamic_lengths, 2, batches, "ring")
+    assert not isinstance(result["steps"][0], str)
+    message = result["steps"][1]
+    assert isinstance(message, str) and "sequence length 33 is not divisible by sp_size=2" in message, message
+    assert "compile without marking the length dynamic; or use variant='ulysses'" in message, message
+
+
 def test_dynamic_sequence_length_reuses_one_graph():
     gen = torch.Generator().manual_seed(5)
     batches = [torch.randint(0, 96, (2, s), generator=gen) for s in (32, 48, 64)]

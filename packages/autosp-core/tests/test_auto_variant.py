@@ -199,3 +199,17 @@ def test_attention_over_a_shorter_length_decides_nothing():
     assert [e.label for e in choice.candidates] == ["hybrid(ulysses_degree=2)"]
     assert sequence_sites(ctx([site(8, 2), chunks], 4, FAST_A2A)) == [site(8, 2)]
     # Without the fix hybrid had no degree: none divides both 8 and 3 heads.
+
+
+def test_a_dynamic_length_the_ranks_do_not_split_evenly_keeps_only_ulysses():
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    # A length marked dynamic (4095 at this call): ring and hybrid take uneven pieces of concrete lengths only.
+    env = ShapeEnv()
+    seq = env.create_symintnode(env.create_symbol(4095, source=ConstantSource("seq")), hint=4095)
+    choice = choose(ctx([site(8, 8, seq=seq)], 4, FAST_A2A))
+    assert {e.label for e in choice.candidates} == {"ulysses"}, choice.excluded
+    assert any(
+        x.startswith("ring: variant 'ring' takes no uneven pieces of a length marked dynamic") for x in choice.excluded
+    )

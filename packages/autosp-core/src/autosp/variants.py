@@ -6,6 +6,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 if TYPE_CHECKING:
     from autosp.analysis.attention import AttentionSite
     from autosp.context import CompileContext
@@ -29,6 +31,9 @@ class SPVariant:
         uneven: the attention rule takes a sequence whose (concrete) length the ranks do not
             split evenly, laid out by ``even_ranges`` (pieces one token apart). A variant
             without it gets a clear refusal for such a length, never an uneven site.
+        dynamic_uneven: with ``uneven``, also a length marked dynamic (a ``torch.SymInt``): the
+            rule works with symbolic piece sizes. The graph is guarded on the length's remainder
+            modulo sp_size, so each remainder compiles once. Without it such a length is refused.
         doc: one line for reports.
     """
 
@@ -38,18 +43,25 @@ class SPVariant:
     layout: Callable[[IntLike, int, dict[str, Any]], Layout | None] | None = None
     prepare: Callable[[CompileContext], Any] | None = None
     uneven: bool = False
+    dynamic_uneven: bool = False
     doc: str = ""
 
 
 def refuses_length(variant: SPVariant, length: object, world: int) -> str | None:
     """Why ``variant`` cannot take a sequence of ``length`` over ``world`` ranks, or None.
 
-    A concrete length that ``world`` does not divide needs a variant that declares ``uneven``. A
-    symbolic one must divide: its pieces would be symbolic sizes no exchange is planned for.
+    A concrete length that ``world`` does not divide needs a variant that declares ``uneven``; a
+    symbolic one (marked dynamic) ``dynamic_uneven`` too. Deciding on a symbolic length guards the
+    graph on its remainder modulo ``world``, as the rewrite does anyway.
     """
-    if not isinstance(length, int):
-        return None  # the caller's divisibility guard decides; a symbol never reaches an uneven rule
-    if length % world == 0 or variant.uneven:
+    if isinstance(length, torch.SymInt):
+        if length % world == 0 or (variant.uneven and variant.dynamic_uneven):
+            return None
+        return (
+            f"variant {variant.name!r} takes no uneven pieces of a length marked dynamic, and this call's "
+            f"{length.node.hint} tokens do not split over sp_size={world}"
+        )
+    if not isinstance(length, int) or length % world == 0 or variant.uneven:
         return None
     return (
         f"variant {variant.name!r} splits the sequence into equal pieces and {length} tokens do not split over "

@@ -19,6 +19,7 @@ ULYSSES = SPVariant(
     check=check,
     prepare=lambda ctx: chunk_option(ctx.options.variant_options),
     uneven=True,
+    dynamic_uneven=True,
     doc="DeepSpeed-Ulysses: all-to-all between sequence- and head-sharded around attention",
 )
 

@@ -6,7 +6,9 @@ m = ceil(S / P) tokens and is cut where it arrives (``autosp.sharding.padded``):
 keeps the P real pieces of what it receives; back, each rank's piece is padded, and each keeps the
 first s_r rows of what comes back. The cost is at most P - 1 padded rows over the whole exchange.
 
-With S divisible by P every function here returns its input, so those programs are unchanged.
+With S divisible by P every function here returns its input, so those programs are unchanged. A
+length marked dynamic gets symbolic pieces (``r*S//P`` ... ``(r+1)*S//P``); deciding that P does not
+divide it, and which piece is the longest, guards the graph on S's remainder modulo P.
 """
 
 from __future__ import annotations
@@ -18,11 +20,12 @@ from autosp.sharding.context import SPContext
 from autosp.sharding.placement import IntLike, piece_lengths
 
 
-def sizes(ctx: SPContext, length: IntLike) -> list[int] | None:
-    """Each rank's piece of a ``length`` split by ``even_ranges``; None when they are all alike."""
-    if not isinstance(length, int) or length % ctx.world == 0:
+def sizes(ctx: SPContext, length: IntLike) -> list[IntLike] | None:
+    """Each rank's piece of a ``length`` split by ``even_ranges`` (symbolic for a symbolic length);
+    None when they are all alike."""
+    if length % ctx.world == 0:
         return None
-    return [int(n) for n in piece_lengths(ctx.even_ranges(length))]
+    return list(piece_lengths(ctx.even_ranges(length)))
 
 
 def pad_own(ctx: SPContext, local: torch.Tensor, dim: int, length: IntLike) -> torch.Tensor:

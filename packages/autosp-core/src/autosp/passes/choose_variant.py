@@ -73,7 +73,7 @@ def sequence_sites(ctx: CompileContext) -> list[AttentionSite]:
 def _accepts(variant: SPVariant, ctx: CompileContext) -> str | None:
     """Why ``variant`` refuses a site of this graph, or None."""
     for site in sequence_sites(ctx):
-        why = refuses_length(variant, _length(site.seq_len), ctx.world)
+        why = refuses_length(variant, site.seq_len, ctx.world)
         if why is not None:
             return why
         if not site.spec.rewritten_by(variant.name):

@@ -279,27 +279,38 @@ def _settle_sequence(ctx: CompileContext, lengths: list, written_out: list[Eager
 
 def _take_uneven(ctx: CompileContext, seq: int | torch.SymInt) -> None:
     """A length the ranks do not split evenly: balanced pieces one token apart, for a variant that
-    takes them (``SPVariant.uneven``) and a concrete length; else the refusal says what to do."""
+    takes them (``SPVariant.uneven``; a length marked dynamic, ``dynamic_uneven`` too); else the
+    refusal says what to do."""
     assert ctx.variant is not None
-    # A length marked dynamic, even one compiling has since fixed (Dynamo then refuses the fixed size).
-    marked = any(
+    symbolic = not isinstance(seq, int)
+    # A length marked dynamic that compiling has since fixed: Dynamo would refuse the fixed size.
+    fixed = not symbolic and any(
         isinstance(d, torch.SymInt) and hint(d) == hint(seq)
         for x in ctx.fake_inputs
         if isinstance(x, torch.Tensor)
         for d in x.shape
     )
-    if not isinstance(seq, int) or marked:
+    if fixed:
         raise AutoSPError(
-            _not_divisible(ctx, seq) + "; or compile without marking the length dynamic (uneven pieces need "
-            "concrete lengths)"
+            _not_divisible(ctx, seq) + "; and compiling fixed the length marked dynamic (an input of that "
+            "length left unmarked, or code that specialises it): compile without marking it, or mark every "
+            "input of that length"
         )
     if refuses_length(ctx.variant, seq, ctx.world) is not None:
-        takers = sorted(name for name, v in ctx.registry.variants.items() if v.uneven)
-        other = f"; or use variant={takers[0]!r}, which takes any length" if takers else ""
-        raise AutoSPError(_not_divisible(ctx, seq) + other)
-    pieces = sorted(set(piece_lengths(even_ranges(seq, ctx.world))), reverse=True)
+        variants = ctx.registry.variants.items()
+        takers = sorted(name for name, v in variants if v.uneven and (v.dynamic_uneven or not symbolic))
+        which = "takes lengths marked dynamic" if symbolic else "takes any length"
+        other = f"; or use variant={takers[0]!r}, which {which}" if takers else ""
+        unmark = "; or compile without marking the length dynamic" if symbolic else ""
+        raise AutoSPError(_not_divisible(ctx, seq) + unmark + other)
+    pieces = sorted({hint(n) for n in piece_lengths(even_ranges(seq, ctx.world))}, reverse=True)
+    serves = (
+        f" (marked dynamic: this graph serves every length of remainder {hint(seq) % ctx.world} modulo {ctx.world})"
+        if symbolic
+        else ""
+    )
     ctx.report.notes.append(
-        f"sequence length {seq} is not divisible by sp_size={ctx.world}: the ranks hold pieces of "
+        f"sequence length {hint(seq)} is not divisible by sp_size={ctx.world}{serves}: the ranks hold pieces of "
         f"{' and '.join(map(str, pieces))} tokens (exact; the longest piece sets the memory)"
     )
 

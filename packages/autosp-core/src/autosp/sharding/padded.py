@@ -9,7 +9,8 @@ and keeps those (``keep_real``); back, it sends the whole sequence as n blocks, 
 padding is zeros no real row reads, and pad and cut are local ops, so autograd routes gradients
 exactly: a padded row's gradient is dropped by the pad's backward. The cost is the padding's bytes.
 
-``pieces=None`` means equal pieces: every function returns its input. Where pieces are given, the
+``pieces=None`` means equal pieces: every function returns its input. Pieces may be symbolic sizes
+(a length marked dynamic); taking the longest then guards on their order. Where pieces are given, the
 ops are the same whatever the sizes (a pad of zero rows is still a concatenation), so every rank's
 graph has the same structure for the passes that place ops by it (overlap, the partitioner).
 """
@@ -20,20 +21,22 @@ from collections.abc import Sequence
 
 import torch
 
+from autosp.sharding.placement import IntLike
 
-def pad_to(t: torch.Tensor, dim: int, to: int) -> torch.Tensor:
+
+def pad_to(t: torch.Tensor, dim: int, to: IntLike) -> torch.Tensor:
     """``t`` with zero rows appended along ``dim`` up to ``to`` (a concatenation even of none)."""
-    shape = list(t.shape)
+    shape: list[IntLike] = list(t.shape)
     shape[dim] = to - t.shape[dim]
     return torch.cat([t, t.new_zeros(shape)], dim)
 
 
-def pad_own(local: torch.Tensor, dim: int, pieces: Sequence[int] | None) -> torch.Tensor:
+def pad_own(local: torch.Tensor, dim: int, pieces: Sequence[IntLike] | None) -> torch.Tensor:
     """This rank's piece padded to the longest, ready to send."""
     return local if pieces is None else pad_to(local, dim, max(pieces))
 
 
-def keep_real(received: torch.Tensor, dim: int, pieces: Sequence[int] | None) -> torch.Tensor:
+def keep_real(received: torch.Tensor, dim: int, pieces: Sequence[IntLike] | None) -> torch.Tensor:
     """The whole sequence out of the received blocks of padded pieces, in rank order."""
     if pieces is None:
         return received
@@ -41,18 +44,19 @@ def keep_real(received: torch.Tensor, dim: int, pieces: Sequence[int] | None) ->
     return torch.cat([received.narrow(dim, j * m, n) for j, n in enumerate(pieces)], dim)
 
 
-def pad_each(whole: torch.Tensor, dim: int, pieces: Sequence[int] | None) -> torch.Tensor:
+def pad_each(whole: torch.Tensor, dim: int, pieces: Sequence[IntLike] | None) -> torch.Tensor:
     """The whole sequence as blocks, each rank's piece padded to the longest, ready to send back."""
     if pieces is None:
         return whole
-    m, at, blocks = max(pieces), 0, []
+    m, blocks = max(pieces), []
+    at: IntLike = 0
     for n in pieces:
         blocks.append(pad_to(whole.narrow(dim, at, n), dim, m))
         at += n
     return torch.cat(blocks, dim)
 
 
-def cut_own(received: torch.Tensor, dim: int, pieces: Sequence[int] | None, index: int) -> torch.Tensor:
+def cut_own(received: torch.Tensor, dim: int, pieces: Sequence[IntLike] | None, index: int) -> torch.Tensor:
     """Piece ``index`` out of the padded block it received."""
     return received if pieces is None else received.narrow(dim, 0, pieces[index])
 
