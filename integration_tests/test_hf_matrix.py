@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from hf_matrix import Row, check_row, classify
+from hf_matrix import Outcome, Row, check_row, classify
 from spmd_pool import RankError, SPMDPool
 
 # Row -> None when it must be exact, else a phrase its refusal must contain (a clear message, recorded verbatim
@@ -177,13 +177,19 @@ UNEVEN_ROWS = [
 def test_uneven_lengths(pool: SPMDPool, world: int, row: Row, backend: str) -> None:
     # BEiT is not run under Inductor: torch.compile alone (no AutoSP) differs from eager on it here
     # (the [CLS] token's gradient by 20%), so no SP program could match eager there.
+    out = _exact_on(pool, world, row, backend)
+    assert out.detail == "1 of 1 graphs sharded, 2 attention sites, uneven pieces", out.cell()
+
+
+def _exact_on(pool: SPMDPool, world: int, row: Row, backend: str) -> Outcome:
+    """``row`` on ``world`` ranks (the module's pool at 2, its own otherwise), asserted exact."""
     if world == 2:
         out = check_row(pool, row, backend=backend, timeout_s=600.0)
     else:
         with SPMDPool(world, pg_timeout_s=240.0) as own:
             out = check_row(own, row, backend=backend, timeout_s=600.0)
     assert out.kind == "exact", f"P={world} {backend} {row.label()}: {out.cell()}"
-    assert out.detail == "1 of 1 graphs sharded, 2 attention sites, uneven pieces", out.cell()
+    return out
 
 
 # Padded batches (an attention mask: a left-padded row and a right-padded one, the padding's labels
@@ -210,10 +216,5 @@ PADDED_ROWS = [
 
 @pytest.mark.parametrize(("world", "row", "backend"), PADDED_ROWS, ids=lambda x: getattr(x, "model", str(x))[:8])
 def test_padded_batches_at_uneven_lengths(pool: SPMDPool, world: int, row: Row, backend: str) -> None:
-    if world == 2:
-        out = check_row(pool, row, backend=backend, timeout_s=600.0)
-    else:
-        with SPMDPool(world, pg_timeout_s=240.0) as own:
-            out = check_row(own, row, backend=backend, timeout_s=600.0)
-    assert out.kind == "exact", f"P={world} {backend} {row.label()}: {out.cell()}"
+    out = _exact_on(pool, world, row, backend)
     assert "uneven pieces" in out.detail, out.cell()
