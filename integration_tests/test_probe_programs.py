@@ -16,8 +16,10 @@ decoder, a funnel, learned latent queries: the longest is sharded), block-local 
 on 5-D q/k/v (once refused: the analysis read SDPA as 4-D only), token mixers beyond attention
 (FFT, a causal conv, a GRU, a loop over positions, CTC) and, under Inductor, collectives it once
 ordered differently per rank or dropped on one rank (deadlocks), or merged on one rank (CSE: a
-silently wrong loss). Loss, every other
-output, every parameter's gradient and every buffer are compared on every rank (probe_workers.differences). One pool of 2 gloo ranks for the file.
+silently wrong loss); and what scripts do around the model (probe_tasks.py): random draws in the
+forward, the caller's tensors written in place or differentiated, Python reading values across graph
+breaks, Hugging Face task heads. Loss, every other
+output, every parameter's gradient, every buffer and the caller's tensors (and their gradients) are compared on every rank (probe_workers.differences). One pool of 2 gloo ranks for the file.
 The probes left out here to save time (Hugging Face models, unfold, index_add, ...) are in probe_models.
 """
 
