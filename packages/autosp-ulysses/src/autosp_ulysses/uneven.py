@@ -25,7 +25,7 @@ def sizes(ctx: SPContext, length: IntLike) -> list[IntLike] | None:
     None when they are all alike."""
     if length % ctx.world == 0:
         return None
-    return list(piece_lengths(ctx.even_ranges(length)))
+    return piece_lengths(ctx.even_ranges(length))
 
 
 def pad_own(ctx: SPContext, local: torch.Tensor, dim: int, length: IntLike) -> torch.Tensor:
