@@ -323,6 +323,46 @@ class _Scale(torch.nn.Module):
         return x * 3
 
 
+class _HooksOnFirstCall(torch.nn.Module):
+    """Registers hooks on its child the first time it runs, from a nested call (transformers 5's
+    output capturing does so for ``output_hidden_states``)."""
+
+    def __init__(self, register: str) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+        self.register, self.handle = register, None
+
+    def install(self) -> None:
+        if self.handle is None:
+            if self.register == "register_forward_hook":
+                self.handle = self.lin.register_forward_hook(lambda m, a, out: out * 2)
+            else:
+                self.handle = self.lin.register_forward_pre_hook(lambda m, a: (a[0] + 1,))
+
+    def forward(self, x):
+        self.install()
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("register", ["register_forward_hook", "register_forward_pre_hook"])
+def test_a_module_hook_registered_inside_the_call_runs_as_in_eager(register):
+    # Dynamo 2.13 with nested breaks handed the resumed registration a fresh dict for the child's
+    # empty hook dict: "cannot create weak reference to 'dict' object" (autosp.dynamo_fixes).
+    runs = GraphRuns()
+    model, ref = _HooksOnFirstCall(register), _HooksOnFirstCall(register)
+    ref.load_state_dict(model.state_dict())
+    x = torch.randn(2, 3)
+    torch._dynamo.reset()
+    call = GuardedCall(torch.compile(model, backend=lambda gm, ex: runs.wrap(gm.forward)), model, None, None, runs)
+    for _ in range(2):
+        torch.testing.assert_close(call(x), ref(x))
+    assert len(getattr(model.lin, f"_forward{'_pre' if 'pre' in register else ''}_hooks")) == 1
+    model.handle.remove()  # the handle holds the child's own dict
+    ref.handle.remove()
+    torch.testing.assert_close(call(x), ref(x))
+    torch._dynamo.reset()
+
+
 @pytest.mark.filterwarnings(r"ignore:Using `torch\.compile\(module\)` when there are global hooks")
 def test_nested_graph_breaks_stay_off_while_a_module_has_backward_hooks():
     # Dynamo 2.13 cannot resume a break inside the list comprehension of torch's backward-hook setup
@@ -388,6 +428,30 @@ def test_recompiles_from_a_plain_value_name_that_value():
     msg = str(e.value)
     assert "this call (x [3] with n=3)" in msg and "x [3] with n=1; x [3] with n=2" in msg, msg
     assert "a plain value differs (n=3)" in msg and "torch.tensor(n)" in msg, msg
+    torch._dynamo.reset()
+
+
+def _block(x, i):
+    torch._dynamo.graph_break()  # BigBird's block plan draws from numpy here
+    return x * 2 if i % 2 else x + i  # the resumed code is compiled once per value of i
+
+
+def _blocks(x):
+    for i in range(4):
+        x = _block(x, i)
+    return x
+
+
+def test_recompiles_within_the_first_call_name_the_function_not_the_lengths():
+    """A loop calls a function with another int each time: the limit is reached inside one call."""
+    call = _guarded(_blocks)
+    with torch._dynamo.config.patch(recompile_limit=2):
+        with pytest.raises(EagerFallback) as e:
+            call(torch.ones(3))
+    msg = str(e.value)
+    assert "inside the first call (x [3])" in msg and "resume_in__block" in msg, msg
+    assert "Dynamo's reason: " in msg and "i == " in msg and "torch.compiler.disable" in msg, msg
+    assert "mark_dynamic" not in msg, msg  # nothing about the lengths: one call, one length
     torch._dynamo.reset()
 
 

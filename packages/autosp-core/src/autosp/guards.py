@@ -31,7 +31,7 @@ from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-from autosp import arrivals, peer_failure
+from autosp import arrivals, dynamo_fixes, peer_failure
 from autosp.eager_work import eager_work, eager_work_message
 from autosp.errors import AutoSPError, CollectiveFailure
 from autosp.input_check import (
@@ -177,12 +177,15 @@ class _RecompileReason(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
         self.last: str | None = None
+        self.function: str | None = None  # "'name' (file:line)" of the code that hit the limit
 
     def emit(self, record: logging.LogRecord) -> None:
         if isinstance(record.msg, str) and record.msg.startswith("torch._dynamo hit config.") and record.args:
             args = record.args if isinstance(record.args, tuple) else ()
             if len(args) >= 4 and args[3]:
                 self.last = " ".join(str(args[3]).split())[:600]
+            if len(args) >= 3 and args[2]:
+                self.function = str(args[2])[:400]
 
 
 _DYNAMO_LOG = logging.getLogger("torch._dynamo.convert_frame")
@@ -200,8 +203,28 @@ def _same_inputs(now: str, seen: Sequence[str], reason: str | None) -> str:
     )
 
 
-def recompile_message(leaves: Sequence[Leaf], seen: Sequence[str], reason: str | None = None) -> str:
+def _within_one_call(limit: int, now: str, reason: str | None, function: str | None) -> str:
+    """The limit reached in the program's first call: code it runs over and over (a loop calling a
+    function with another Python number each time) is compiled once per value."""
+    return (
+        f"Dynamo's recompile limit (torch._dynamo.config.recompile_limit={limit}) is reached inside the first "
+        f"call ({now or 'no tensor inputs'}): Dynamo has compiled {function or 'a function'} that many times "
+        "(counting earlier compiles of the same code in this process), once for each value of something it reads "
+        f"(Dynamo's reason: {reason or 'not logged'}), as when a loop calls a function with another Python number "
+        "each time. Past the limit Dynamo would "
+        "run it in eager, unannounced. Raise torch._dynamo.config.recompile_limit above the number of values it "
+        "takes, or mark that function torch.compiler.disable: it then runs in eager on whole tensors (exact, "
+        "not sequence-parallel), and compiled.autosp_reports names the parameters it reads. "
+        "TORCH_LOGS=recompiles says why each graph recompiled."
+    )
+
+
+def recompile_message(
+    leaves: Sequence[Leaf], seen: Sequence[str], reason: str | None = None, function: str | None = None
+) -> str:
     limit = torch._dynamo.config.recompile_limit
+    if not seen:
+        return _within_one_call(limit, _shapes(leaves), reason, function)
     tensors = [leaf for leaf in leaves if leaf.tensor is not None and leaf.tensor.dim() > 0]
     example = "input_ids, 1"
     if tensors:
@@ -289,9 +312,14 @@ def _hard_dynamo_failures(nested: bool = True) -> Iterator[None]:
     module global, not a context variable: eager code in another thread during the call takes the
     slow path too, with the same results.
 
+    Nested breaks need a Dynamo fix torch 2.13 lacks (``autosp.dynamo_fixes``): a module hook
+    registered inside the call (transformers' output capturing) crashed otherwise.
+
     Set and restored by hand: ``config.patch`` costs ~0.1 ms a call, an attribute ~10 us. The
     values are context variables in torch 2.13, so other threads are not affected.
     """
+    if nested:
+        dynamo_fixes.install()
     cfg = torch._dynamo.config
     names = (
         "fail_on_recompile_limit_hit",
@@ -427,7 +455,7 @@ class GuardedCall:
                 CALL_INPUTS.reset(given)
                 _DYNAMO_LOG.removeHandler(reasons)
         except FailOnRecompileLimitHit as e:
-            raise EagerFallback(recompile_message(leaves, self.seen, reasons.last)) from e
+            raise EagerFallback(recompile_message(leaves, self.seen, reasons.last, reasons.function)) from e
         except AutoSPError:
             raise
         except ConstraintViolationError as e:
