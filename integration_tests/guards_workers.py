@@ -79,6 +79,41 @@ class _PythonRandomScale(_Steered):
         return super().forward(ids)
 
 
+@torch.compiler.disable
+def _eager_keep(shape: torch.Size) -> torch.Tensor:
+    return torch.rand(shape) < 0.7  # in eager: no graph shows this draw
+
+
+class _MaskedInEager(torch.nn.Module):
+    """Positions dropped by a mask drawn where Dynamo runs eager code: NumPy (Wav2Vec2's SpecAugment,
+    BigBird's random blocks), or a ``torch.compiler.disable``'d function; then attention and a loss."""
+
+    def __init__(self, draw: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.draw = draw
+        self.embed, self.qkv, self.head = torch.nn.Embedding(96, 16), torch.nn.Linear(16, 48), torch.nn.Linear(16, 8)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        import numpy as np
+
+        if self.draw == "numpy":  # np.random.choice breaks the graph (Dynamo traces np.random.rand as torch's)
+            keep = torch.ones(ids.shape, dtype=torch.bool)
+            keep[:, torch.from_numpy(np.random.choice(ids.shape[1], ids.shape[1] // 4, replace=False))] = False
+        else:
+            keep = _eager_keep(ids.shape)
+        x = self.embed(ids) * keep[..., None]
+        q, k, v = self.qkv(x).view(*ids.shape, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        x = x + torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2)
+        return self.head(x).square().mean()
+
+
+def _seed_draw(draw: str, seed: int) -> None:
+    import numpy as np
+
+    np.random.seed(seed) if draw == "numpy" else torch.manual_seed(seed)
+
+
 GLOBAL_SCALE = torch.ones(16)  # a module-level tensor the forward reads (set per rank by the worker)
 
 
@@ -331,6 +366,15 @@ def input_faults(rank: int, world: int) -> dict[str, Any]:
         )
     random.seed(5)
     out["python_rng_eager"] = float(_PythonRandomScale()(_ids(2, 32)))
+    # Drawn in code that runs in eager (no graph shows it): refused after the call, on every rank alike.
+    for draw in ("numpy", "torch"):
+        for seeded, seed in (("apart", 1000 + rank), ("alike", 5)):
+            masked = autosp.compile(_MaskedInEager(draw), backend="eager")  # built from seed 0
+            _seed_draw(draw, seed)
+            out[f"eager_{draw}_rng_{seeded}"] = attempt(lambda masked=masked: masked(_ids(2, 32)))
+        masked = _MaskedInEager(draw)
+        _seed_draw(draw, 5)
+        out[f"eager_{draw}_rng_eager"] = float(masked(_ids(2, 32)))
     # Seeded alike, the SP program's dropout masks are the single-device program's: loss and gradients.
     torch.manual_seed(0)
     sp_model = _PooledClassifier(0.5)

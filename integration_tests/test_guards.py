@@ -224,6 +224,18 @@ def test_ranks_seeded_apart_are_refused_when_the_program_draws_random_numbers(fa
             r"random\.seed\(seed \+ dp_rank\)",
         )
         assert r["python_rng_alike"]["loss"] == pytest.approx(r["python_rng_eager"], rel=1e-5), r
+    # Drawn in eager code (NumPy, a compiler.disable'd torch draw): no graph shows the draw, so the
+    # ranks once each dropped their own positions, silently. Refused after the call; alike, exact.
+    for draw, generator in (("numpy", "NumPy global random"), ("torch", "cpu random number generator")):
+        for r in faults:
+            _error(
+                r[f"eager_{draw}_rng_apart"],
+                "RandomStateMismatch",
+                rf"hold different {generator} states \(rank 0 / rank 1; global ranks\)",
+                r"this call, in code that runs outside the compiled graphs",
+                r"transformers\.set_seed",
+            )
+            assert r[f"eager_{draw}_rng_alike"]["loss"] == pytest.approx(r[f"eager_{draw}_rng_eager"], rel=1e-5), r
     # Seeded alike, with dropout p=0.5: the masks are the single-device program's, so values and gradients match.
     for r in faults:
         sp, ref = r["rng_alike_vs_eager"]["loss"]

@@ -7,7 +7,14 @@ import torch
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from autosp.rng_check import RandomStateMismatch, random_ops, refuse_divergent_rng, rng_digests
+from autosp.rng_check import (
+    DEVICE_TYPES,
+    RandomStateMismatch,
+    random_ops,
+    refuse_divergent_rng,
+    refuse_eager_draws,
+    rng_digests,
+)
 
 
 def _ops(fn, *args) -> list[str]:
@@ -49,3 +56,18 @@ def test_digests_need_no_numpy(monkeypatch) -> None:
     assert before == rng_digests()
     torch.rand(1)
     assert rng_digests() != before
+
+
+def test_a_draw_outside_the_graphs_is_refused_only_from_a_generator_the_ranks_held_apart() -> None:
+    import numpy as np
+
+    splits = {d: [[0, 1]] for d in DEVICE_TYPES}
+    before = rng_digests()
+    np.random.rand()  # eager code drew from NumPy's global generator during the call
+    refuse_eager_draws(before, splits.__getitem__)  # the ranks agreed: every rank drew the same
+    splits["cpu"] = [[0], [1]]
+    refuse_eager_draws(before, splits.__getitem__)  # apart on torch's generator, which did not move
+    splits["numpy"] = [[0], [1]]
+    with pytest.raises(RandomStateMismatch, match=r"NumPy global random states \(rank 0 / rank 1.*np\.random\.seed"):
+        refuse_eager_draws(before, splits.__getitem__)
+    refuse_eager_draws(rng_digests(), splits.__getitem__)  # apart, but nothing drawn since

@@ -48,6 +48,7 @@ from autosp.input_check import (
 )
 from autosp.options import timeout_phrase
 from autosp.peer_failure import is_comm_failure
+from autosp.rng_check import refuse_eager_draws
 from autosp.sharded_outputs import SHARDED_ACROSS_BREAK
 from autosp.weak_group import WeakGroup
 
@@ -501,6 +502,7 @@ class GuardedCall:
         if len(self.seen) < _MAX_SEEN and shapes not in self.seen:
             self.seen.append(shapes)
         if self.check is not None:
+            refuse_eager_draws(self.check.rng_mine, self.check.rng_split)
             check_backward(self.check, out)
         return out
 

@@ -406,8 +406,9 @@ class InputCheck:
         self.mode = mode
         self.ranks = dist.get_process_group_ranks(group)
         self.device = collective_device(group)
-        # Per generator (``rng_check.DEVICE_TYPES``), each rank's digest at the last check.
+        # Per generator (``rng_check.DEVICE_TYPES``), each rank's digest at the last check, and this rank's.
         self.rng_rows: list[list[int]] = []
+        self.rng_mine: list[int] = []
 
     def rng_split(self, device: str) -> list[list[int]]:
         """Global ranks grouped by their ``device`` generator's state at the last check (one group: agreed)."""
@@ -440,6 +441,7 @@ class InputCheck:
         flat = rows.tolist()
         self._refuse_steps_apart(flat, width)
         self.rng_rows = [flat[i + 3 : i + width] for i in range(0, len(flat), width)]
+        self.rng_mine = local[3:].tolist()
         values = [flat[i : i + 2] for i in range(0, len(flat), width)]
         if all(v == values[0] for v in values):
             if len({flat[i + 2] for i in range(0, len(flat), width)}) > 1:

@@ -18,6 +18,7 @@ import hashlib
 import random
 import re
 import struct
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,9 +28,11 @@ from autosp.analysis.source import user_line
 from autosp.errors import AutoSPError
 from autosp.user_function import BODIES, USER_FUNCTION
 
-# The generators the digest covers: torch's (ROCm's is torch.cuda's) and Python's ``random``, whose
-# draws in a forward Dynamo makes graph inputs (``random_value_0``) that no input check sees.
-DEVICE_TYPES = ("cpu", "cuda", "python")
+# The generators the digest covers: torch's (ROCm's is torch.cuda's), Python's ``random``, whose
+# draws in a forward Dynamo makes graph inputs (``random_value_0``) that no input check sees, and
+# NumPy's global one, drawn only in code Dynamo runs in eager (BigBird's random blocks, Wav2Vec2's
+# SpecAugment masks): no graph shows those draws, so ``refuse_eager_draws`` looks after the call.
+DEVICE_TYPES = ("cpu", "cuda", "python", "numpy")
 _PYTHON_DRAW = re.compile(r"random_value_\d+")
 
 
@@ -54,7 +57,15 @@ def _state_digest(state: torch.Tensor) -> int:
 def rng_digests() -> list[int]:
     """One int64 per ``DEVICE_TYPES`` entry: this process's default generator states (0: not in use)."""
     cuda = _state_digest(torch.cuda.get_rng_state()) if torch.cuda.is_initialized() else 0
-    return [_state_digest(torch.get_rng_state()), cuda, _python_digest()]
+    return [_state_digest(torch.get_rng_state()), cuda, _python_digest(), _numpy_digest()]
+
+
+def _numpy_digest() -> int:
+    np = sys.modules.get("numpy")  # not imported: nothing can have drawn from it
+    if np is None:
+        return 0
+    _, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)
+    return digest_bytes(keys.tobytes() + struct.pack("<qqd", pos, has_gauss, gauss))
 
 
 def _python_digest() -> int:
@@ -107,17 +118,40 @@ def python_draws(gm: torch.fx.GraphModule) -> list[tuple[str, str]]:
     ]
 
 
+_GENERATORS = {"python": ("Python random module", "random.seed"), "numpy": ("NumPy global random", "np.random.seed")}
+
+
 def split_message(what: str, ops: Sequence[tuple[str, str]], device: str, groups: list[list[int]]) -> str:
     ranks = " / ".join(("rank " if len(g) == 1 else "ranks ") + ", ".join(map(str, g)) for g in groups)
-    generators = "Python random module" if device == "python" else f"{device} random number generator"
-    seed = "random.seed" if device == "python" else "torch.manual_seed"
+    generators, seed = _GENERATORS.get(device, (f"{device} random number generator", "torch.manual_seed"))
     return (
         f"the SP ranks hold different {generators} states ({ranks}; global ranks), and "
         f"{what} draws random numbers: {ops[0][1]}" + (f" and {len(ops) - 1} more" if len(ops) > 1 else "") + ". "
         "Each rank would draw its own numbers for values the SP program holds as one, and the result would "
         f"match no single-device run. Seed every rank of an SP group alike: {seed}(seed + dp_rank) "
-        "with dp_rank = global_rank // sp_size, not seed + global_rank (check_inputs='off' skips this check)."
+        "with dp_rank = global_rank // sp_size, not seed + global_rank (transformers.set_seed seeds torch, "
+        "NumPy and random at once; check_inputs='off' skips this check)."
     )
+
+
+def refuse_eager_draws(before: Sequence[int], split: Callable[[str], list[list[int]]]) -> None:
+    """After a call: raise when it advanced a generator whose state the ranks held apart at its check.
+
+    Graphs' draws are refused before they run (``refuse_divergent_rng``); code Dynamo runs in eager
+    (NumPy, a ``torch.compiler.disable``'d function) draws where no graph shows it, and the state moved
+    is the only trace. Every rank ran the same program on the same inputs, so every rank drew or none
+    did, and every rank raises alike. ``before``: this rank's ``rng_digests()`` at the call's check.
+    """
+    apart = [d for d in DEVICE_TYPES if len(split(d)) > 1]
+    if not apart:  # the usual case: nothing to read after the call
+        return
+    now = dict(zip(DEVICE_TYPES, rng_digests()))
+    for device in apart:
+        if now[device] != before[DEVICE_TYPES.index(device)]:
+            what = "this call, in code that runs outside the compiled graphs (in eager)"
+            raise RandomStateMismatch(
+                split_message(what, [(device, "its global generator advanced")], device, split(device))
+            )
 
 
 def refuse_divergent_rng(
@@ -148,6 +182,7 @@ __all__ = [
     "python_draws",
     "random_ops",
     "refuse_divergent_rng",
+    "refuse_eager_draws",
     "rng_digests",
     "split_message",
 ]
