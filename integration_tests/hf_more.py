@@ -5,6 +5,13 @@ The matrix (``hf_matrix.py``) writes each config by hand. These come from
 field (hidden 32, 2 layers, 4 heads, 2 kv heads, vocab 128), every float dropout set to 0 and the
 attention implementation chosen: nobody here wrote for these models, so they stand in for what a
 new user brings. ``hf_matrix.build`` finds them by name, so every matrix tool runs them.
+
+Beyond decoder LMs and BERT-likes: encoders whose attention gathers relative positions or reshapes
+the sequence (DeBERTa, Funnel, BigBird, Longformer, CANINE, XLNet), state-space and recurrent LMs and
+their hybrids with attention (Mamba, RWKV, Jamba, Bamba, Qwen3-Next), speech classifiers fed raw
+waveforms (Wav2Vec2, HuBERT, WavLM, SEW) and vision models whose token grid is windowed or reduced
+inside (Swin, SegFormer, PVT). Where a family's fields differ from the generic sizes they are written
+out (``_OVERRIDES``, ``_AUDIO``, ``_LAYER_KINDS``).
 """
 
 from __future__ import annotations
@@ -61,6 +68,54 @@ ARCHITECTURES: dict[str, tuple[str, str, str]] = {
     "ViT classifier ([CLS] + 16 patches: 17 tokens)": ("vit", "sdpa", "vision"),
     "DINOv2 with registers ([CLS], 4 registers + 16 patches: 21 tokens)": ("dinov2_with_registers", "sdpa", "vision"),
     "BEiT (relative position bias, [CLS] + 16 patches)": ("beit", "sdpa", "vision"),
+    # Encoders whose attention is not plain dot products: relative positions gathered by distance,
+    # the sequence pooled or downsampled inside, landmarks, Fourier mixing, convolutions, blocks.
+    "DeBERTa-v2 (disentangled relative attention)": ("deberta-v2", "eager", "classify"),
+    "DeBERTa (disentangled relative attention)": ("deberta", "eager", "classify"),
+    "MPNet (relative position bias)": ("mpnet", "eager", "classify"),
+    "Funnel (the sequence pooled by 2 between blocks)": ("funnel", "eager", "classify"),
+    "ConvBERT (span-based dynamic convolution)": ("convbert", "eager", "classify"),
+    "SqueezeBERT (grouped conv1d)": ("squeezebert", "eager", "classify"),
+    "Nystromformer (segment-mean landmarks)": ("nystromformer", "eager", "classify"),
+    "FNet (Fourier token mixing)": ("fnet", "eager", "classify"),
+    "RoFormer": ("roformer", "eager", "classify"),
+    "ESM (rotary, protein)": ("esm", "eager", "classify"),
+    "BigBird (block sparse, random blocks)": ("big_bird", "eager", "classify"),
+    "Longformer (sliding chunks + global)": ("longformer", "eager", "classify"),
+    "CANINE (characters downsampled by a strided conv)": ("canine", "eager", "classify"),
+    "MobileBERT": ("mobilebert", "eager", "classify"),
+    "MRA (multi-resolution blocks)": ("mra", "eager", "classify"),
+    "XLNet (relative attention, last-token summary)": ("xlnet", "eager", "classify"),
+    # Recurrent and state-space language models: scans, short convolutions, hybrids with attention.
+    "Mamba": ("mamba", "eager", "lm"),
+    "Mamba-2 (chunked SSD)": ("mamba2", "eager", "lm"),
+    "FalconMamba": ("falcon_mamba", "eager", "lm"),
+    "RecurrentGemma (RG-LRU + local attention)": ("recurrent_gemma", "sdpa", "lm"),
+    "RWKV": ("rwkv", "eager", "lm"),
+    "Bamba (Mamba-2 + attention)": ("bamba", "sdpa", "lm"),
+    "LFM2 (short convolutions + attention)": ("lfm2", "sdpa", "lm"),
+    "Qwen3-Next (gated delta rule + attention, MoE)": ("qwen3_next", "sdpa", "lm"),
+    "FalconH1 (parallel Mamba-2 and attention)": ("falcon_h1", "sdpa", "lm"),
+    "GraniteMoeHybrid": ("granitemoehybrid", "sdpa", "lm"),
+    "MiniMax (lightning attention blocks + attention, MoE)": ("minimax", "sdpa", "lm"),
+    "Exaone4": ("exaone4", "sdpa", "lm"),
+    "Apertus (xIELU)": ("apertus", "sdpa", "lm"),
+    "Doge (dynamic mask attention)": ("doge", "sdpa", "lm"),
+    # Speech: 128 samples cut into 16 frames by strided convs, a grouped positional conv, mean-pooled
+    # over the frames into a classifier (HF's defaults: layerdrop, SpecAugment off at its own 0 here).
+    "Wav2Vec2 audio classifier": ("wav2vec2", "eager", "audio"),
+    "HuBERT audio classifier": ("hubert", "sdpa", "audio"),
+    "WavLM audio classifier (gated relative bias)": ("wavlm", "eager", "audio"),
+    "SEW audio classifier (frames squeezed by 2)": ("sew", "eager", "audio"),
+    "SEW-D audio classifier (DeBERTa attention)": ("sew-d", "eager", "audio"),
+    # Images whose token grid is reshaped inside: shifted windows, merged patches, keys and values
+    # from a strided conv over the grid, depthwise convs between attentions.
+    "Swin (shifted windows, patch merging)": ("swin", "eager", "vision"),
+    "Swin-v2 (cosine attention, log-spaced bias)": ("swinv2", "eager", "vision"),
+    "SegFormer (spatial-reduction attention)": ("segformer", "eager", "vision"),
+    "PVT (spatial-reduction attention)": ("pvt", "eager", "vision"),
+    "PVT-v2 (overlapping patches, depthwise conv FFN)": ("pvt_v2", "eager", "vision"),
+    "DeiT (distillation token)": ("deit", "eager", "vision"),
 }
 
 _SIZES: dict[str, Any] = dict(
@@ -92,14 +147,87 @@ _WHERE_PRESENT: dict[str, Any] = dict(
 )
 
 
+# Per-stage lists for the hierarchical vision models: two stages over a 32-pixel image (8 x 8 tokens,
+# then 4 x 4), one block each.
+_STAGES: dict[str, Any] = dict(
+    depths=[1, 1],
+    num_encoder_blocks=2,
+    hidden_sizes=[16, 32],
+    num_attention_heads=[1, 2],
+    mlp_ratios=[2, 2],
+    strides=[4, 2],
+)
+# Written out where the generic sizes above do not fit the architecture.
+_OVERRIDES: dict[str, dict[str, Any]] = {
+    "funnel": dict(block_sizes=[1, 1], d_model=hm.HIDDEN, n_head=hm.HEADS, d_head=8, d_inner=64, num_decoder_layers=1),
+    "xlnet": dict(d_model=hm.HIDDEN, n_layer=hm.LAYERS, n_head=hm.HEADS, d_head=8, d_inner=64, mem_len=None),
+    "deberta-v2": dict(
+        pooler_hidden_size=hm.HIDDEN,
+        relative_attention=True,
+        position_buckets=8,
+        pos_att_type=["p2c", "c2p"],
+        max_relative_positions=16,
+    ),
+    "deberta": dict(
+        pooler_hidden_size=hm.HIDDEN, relative_attention=True, pos_att_type=["p2c", "c2p"], max_relative_positions=16
+    ),
+    "canine": dict(downsampling_rate=2, num_hash_buckets=64, local_transformer_stride=8, upsampling_kernel_size=2),
+    "big_bird": dict(block_size=2, num_random_blocks=1),
+    "longformer": dict(attention_window=[4, 4]),
+    "mobilebert": dict(embedding_size=16, intra_bottleneck_size=16, true_hidden_size=16, num_feedforward_networks=2),
+    "recurrent_gemma": dict(lru_width=hm.HIDDEN, head_dim=8, attention_window_size=hm.WINDOW, vocab_size=hm.VOCAB),
+    "mamba2": dict(num_heads=4, head_dim=16, state_size=8, n_groups=1, chunk_size=4, expand=2),
+    "bamba": dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_chunk_size=4, attn_layer_indices=[1]),
+    "falcon_h1": dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_ssm=64, mamba_d_state=8, mamba_chunk_size=4),
+    "granitemoehybrid": dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_chunk_size=4),
+    "qwen3_next": dict(
+        linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4
+    ),
+    "minimax": dict(block_size=4),
+    "rwkv": dict(attention_hidden_size=hm.HIDDEN, intermediate_size=2 * hm.HIDDEN, context_length=64),
+    "xlstm": dict(embedding_dim=hm.HIDDEN, num_blocks=hm.LAYERS, num_heads=hm.HEADS, mode="train"),
+    "swin": dict(patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 4], window_size=4, num_layers=2),
+    "swinv2": dict(patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 4], window_size=4, num_layers=2),
+    "segformer": dict(_STAGES, sr_ratios=[2, 1], patch_sizes=[7, 3], decoder_hidden_size=hm.HIDDEN),
+    "pvt": dict(_STAGES, sequence_reduction_ratios=[2, 1], patch_sizes=[4, 2]),
+    "pvt_v2": dict(_STAGES, sr_ratios=[2, 1], patch_sizes=[7, 3]),
+    "deit": dict(architectures=["DeiTForImageClassification"]),  # not the teacher's head, which has no loss
+}
+_AUDIO: dict[str, Any] = dict(
+    conv_dim=[16, 16],
+    conv_kernel=[4, 2],
+    conv_stride=[4, 2],
+    num_feat_extract_layers=2,
+    num_conv_pos_embeddings=4,
+    num_conv_pos_embedding_groups=4,
+    classifier_proj_size=16,
+    mask_time_prob=0.0,
+    position_buckets=8,
+    max_position_embeddings=16,
+)
+AUDIO_SAMPLES = 128  # cut by the strides (4, 2) into 16 frames
+# Layers kinds named per layer: one of each (the defaults list dozens).
+_LAYER_KINDS: dict[str, list[str]] = {
+    "qwen3_next": ["linear_attention", "full_attention"],
+    "minimax": ["linear_attention", "full_attention"],
+    "lfm2": ["conv", "full_attention"],
+    "granitemoehybrid": ["linear_attention", "full_attention"],
+}
+
+
 def config(model_type: str, attention: str) -> Any:
     import transformers as t
 
     cfg = t.AutoConfig.for_model(model_type)
     for key, value in _SIZES.items():
-        setattr(cfg, key, value)
+        if key in _OVERRIDES.get(model_type, {}):
+            continue
+        try:
+            setattr(cfg, key, value)
+        except NotImplementedError:  # XLNet has no position limit and raises on setting one
+            pass
     for key, value in _WHERE_PRESENT.items():
-        if hasattr(cfg, key):
+        if hasattr(cfg, key) and key not in _OVERRIDES.get(model_type, {}):
             try:
                 setattr(cfg, key, value)
             except AttributeError:  # a property derived from the sizes above (Falcon's head_dim)
@@ -134,6 +262,11 @@ def config(model_type: str, attention: str) -> Any:
         cfg.attention_types = [[["global", "local"], 1]]
         cfg.attention_layers = ["global", "local"]
         cfg.window_size = hm.WINDOW
+    if model_type in ("wav2vec2", "hubert", "wavlm", "sew", "sew-d"):
+        cfg.update({k: v for k, v in _AUDIO.items() if hasattr(cfg, k)})
+    cfg.update(_OVERRIDES.get(model_type, {}))
+    if model_type in _LAYER_KINDS:
+        cfg.layer_types = _LAYER_KINDS[model_type]
     cfg._attn_implementation = attention
     return cfg
 
@@ -145,6 +278,7 @@ def _builder(model_type: str, attention: str, task: str) -> Callable[[], Any]:
         auto = {
             "classify": t.AutoModelForSequenceClassification,
             "vision": t.AutoModelForImageClassification,
+            "audio": t.AutoModelForAudioClassification,
         }.get(task, t.AutoModelForCausalLM)
         return auto.from_config(config(model_type, attention))
 
@@ -154,12 +288,19 @@ def _builder(model_type: str, attention: str, task: str) -> Callable[[], Any]:
 BUILDERS: dict[str, Callable[[], Any]] = {name: _builder(*spec) for name, spec in ARCHITECTURES.items()}
 CLASSIFIERS = {name for name, (_, _, task) in ARCHITECTURES.items() if task == "classify"}
 VISION = {name for name, (_, _, task) in ARCHITECTURES.items() if task == "vision"}
+AUDIO = {name for name, (_, _, task) in ARCHITECTURES.items() if task == "audio"}
 
 
 def vision_batch(generator: torch.Generator) -> dict[str, torch.Tensor]:
     """Images and one class label per image."""
     pixels = torch.randn(hm.BATCH, 3, IMAGE, IMAGE, generator=generator)
     return {"pixel_values": pixels, "labels": torch.randint(0, hm.CLASSES, (hm.BATCH,), generator=generator)}
+
+
+def audio_batch(generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """Raw waveforms and one class label per clip."""
+    samples = torch.randn(hm.BATCH, AUDIO_SAMPLES, generator=generator)
+    return {"input_values": samples, "labels": torch.randint(0, hm.CLASSES, (hm.BATCH,), generator=generator)}
 
 
 # HF itself raises on gradient_checkpointing_enable() for these.
