@@ -586,17 +586,21 @@ NAMES = list(BUILDERS)
 
 
 def build(name: str, seq: int) -> nn.Module:
-    from probe_tasks import TASKS  # it builds on this module's blocks
+    from probe_sequence import PROGRAMS  # they build on this module's blocks
+    from probe_tasks import TASKS
 
     torch.manual_seed(0)
-    return (TASKS.get(name) or BUILDERS[name])(seq)
+    return (TASKS.get(name) or PROGRAMS.get(name) or BUILDERS[name])(seq)
 
 
 def inputs(name: str, seq: int = 16, batch: int = 2) -> tuple[torch.Tensor, ...]:
+    from probe_sequence import PROGRAMS, program_inputs
     from probe_tasks import TASKS, task_inputs
 
     if name in TASKS:
         return task_inputs(name, seq, batch)
+    if name in PROGRAMS:
+        return program_inputs(name, seq, batch)
     if name.startswith("hf-"):
         return hf_inputs(name, seq, batch)
     g = torch.Generator().manual_seed(3)

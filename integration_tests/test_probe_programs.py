@@ -18,7 +18,9 @@ on 5-D q/k/v (once refused: the analysis read SDPA as 4-D only), token mixers be
 ordered differently per rank or dropped on one rank (deadlocks), or merged on one rank (CSE: a
 silently wrong loss); and what scripts do around the model (probe_tasks.py): random draws in the
 forward, the caller's tensors written in place or differentiated, Python reading values across graph
-breaks, Hugging Face task heads. Loss, every other
+breaks, Hugging Face task heads; and the sequence axis used as something other than positions
+(probe_sequence.py): parameters sized by it, two sequence axes, a CRF, returns-to-go, attention
+pooling, order statistics. Loss, every other
 output, every parameter's gradient, every buffer and the caller's tensors (and their gradients) are compared on every rank (probe_workers.differences). One pool of 2 gloo ranks for the file.
 The probes left out here to save time (Hugging Face models, unfold, index_add, ...) are in probe_models.
 """
@@ -30,6 +32,7 @@ from collections.abc import Iterator
 import pytest
 from harness import run_spmd
 from probe_models import HOOKS, ROUTES
+from probe_sequence import PROGRAMS
 from probe_tasks import TASKS
 from probe_workers import run_inference, run_probes
 from spmd_pool import RankError, SPMDPool
@@ -690,3 +693,31 @@ def test_eleventh_round_on_more_ranks(variant: str, world: int, seq: int, backen
     options = EAGER_DRAWS if backend == "inductor" else {"fullgraph": False}
     per_rank = run_spmd(run_probes, world, probes, variant, backend, options)
     _eleventh_exact(per_rank, probes, f"{variant} {backend} P={world}")
+
+
+# The twelfth round (probe_sequence.py), at a length the ranks split unevenly: the sequence contracted
+# with parameters sized by it (MLP-Mixer, gMLP's gate as a Conv1d over positions, Linformer), two
+# sequence axes (a pair representation, InfoNCE over positions), a CRF's neighbouring labels and its
+# recursion, returns-to-go by a flipped cumsum, softmax over the sequence, order statistics, the
+# sequence tiled and pooled into segments by amax, unbind over positions.
+TWELFTH_ROUND = [(name, 15, 2) for name in PROGRAMS]
+
+
+def test_twelfth_round(pool: SPMDPool) -> None:
+    _eleventh_exact(pool.run(run_probes, TWELFTH_ROUND, "ulysses", timeout_s=600), TWELFTH_ROUND, "ulysses")
+
+
+@pytest.mark.parametrize(
+    ("variant", "world", "seq", "backend", "options"),
+    [
+        ("ring", 3, 17, "aot_eager", {}),
+        ("hybrid", 4, 18, "aot_eager", {}),
+        ("ulysses", 4, 18, "inductor", {"sac": True}),
+    ],
+)
+@pytest.mark.extended(covered_by="test_twelfth_round")
+def test_twelfth_round_on_more_ranks(variant: str, world: int, seq: int, backend: str, options: dict) -> None:
+    probes = [(name, seq, 2) for name in PROGRAMS]
+    _eleventh_exact(
+        run_spmd(run_probes, world, probes, variant, backend, options), probes, f"{variant} {backend} P={world}"
+    )
