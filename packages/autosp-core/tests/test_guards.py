@@ -114,6 +114,17 @@ def test_inputs_of_a_module_and_of_a_call_that_does_not_bind():
     assert [leaf.path for leaf in leaves] == ["args[0]", "args[1]", "k"]
 
 
+def test_a_generator_passed_in_is_compared_by_its_state():
+    # Dynamo draws from it in eager (a graph break): generators in other states are other inputs.
+    def meta(seed: int, draws: int = 0) -> str:
+        g = torch.Generator().manual_seed(seed)
+        torch.rand(draws, generator=g)
+        return flatten_inputs((torch.zeros(2),), {"generator": g}, None)[1].meta
+
+    assert meta(1).startswith("generator cpu state ")
+    assert meta(1) == meta(1) and meta(1) != meta(2) and meta(1) != meta(1, draws=3)
+
+
 def test_a_tensor_passed_twice_differs_from_two_copies():
     # Dynamo makes one graph input of a repeated tensor, two of two copies: other programs.
     ids = torch.zeros(2, 4, dtype=torch.long)

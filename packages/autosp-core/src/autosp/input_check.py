@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from autosp import peer_failure
-from autosp.rng_check import DEVICE_TYPES, digest_bytes, rng_digests
+from autosp.rng_check import DEVICE_TYPES, digest_bytes, rng_digests, state_digest
 from autosp.torch_compat import all_gather_single
 from autosp.weak_group import WeakGroup
 
@@ -109,6 +109,11 @@ def _walk(value: Any, path: str, out: list[Leaf], depth: int) -> None:
         # Parameters are the model's, not the batch's; replicated by construction.
         if not isinstance(value, torch.nn.Parameter):
             out.append(Leaf(path, tensor_meta(value), value))
+        return
+    if isinstance(value, torch.Generator):
+        # Dynamo draws from a passed generator in eager (a graph break): ranks holding it in other
+        # states would each draw their own numbers for one value of the program. Its state is the input.
+        out.append(Leaf(path, f"generator {value.device.type} state {state_digest(value.get_state()):x}"))
         return
     scalar = _scalar_meta(value)
     if scalar is not None:

@@ -45,7 +45,8 @@ def digest_bytes(data: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
 
 
-def _state_digest(state: torch.Tensor) -> int:
+def state_digest(state: torch.Tensor) -> int:
+    """A digest of a generator's state (``torch.Generator.get_state()``, a uint8 tensor)."""
     # A generator state is a uint8 tensor: read through a list (numpy, which torch does not
     # require, may be absent), as int64 words where the size allows (8x fewer elements).
     if state.numel() % 8 == 0:
@@ -56,8 +57,8 @@ def _state_digest(state: torch.Tensor) -> int:
 
 def rng_digests() -> list[int]:
     """One int64 per ``DEVICE_TYPES`` entry: this process's default generator states (0: not in use)."""
-    cuda = _state_digest(torch.cuda.get_rng_state()) if torch.cuda.is_initialized() else 0
-    return [_state_digest(torch.get_rng_state()), cuda, _python_digest(), _numpy_digest()]
+    cuda = state_digest(torch.cuda.get_rng_state()) if torch.cuda.is_initialized() else 0
+    return [state_digest(torch.get_rng_state()), cuda, _python_digest(), _numpy_digest()]
 
 
 def _numpy_digest() -> int:
@@ -185,4 +186,5 @@ __all__ = [
     "refuse_eager_draws",
     "rng_digests",
     "split_message",
+    "state_digest",
 ]
