@@ -197,24 +197,28 @@ UNEVEN_ROWS = [
     pytest.param(4, Row(DINO, "ulysses"), "inductor", marks=pytest.mark.extended(covered_by="test_uneven_lengths")),
     pytest.param(4, Row(BEIT, "ring"), "aot_eager", marks=pytest.mark.extended(covered_by="test_uneven_lengths")),
     pytest.param(4, Row(VIT, "hybrid"), "inductor", marks=pytest.mark.extended(covered_by="test_uneven_lengths")),
+    # BEiT's stochastic depth (drop_path 0.1) draws in training: under Inductor with Inductor's own
+    # generator, as torch.compile alone does (the [CLS] gradient 20% off eager's: once taken for a torch
+    # bug); fallback_random draws eager's numbers.
+    pytest.param(2, Row(BEIT, "ulysses"), "inductor", marks=pytest.mark.extended(covered_by="test_uneven_lengths")),
 ]
 
 
 @pytest.mark.parametrize(("world", "row", "backend"), UNEVEN_ROWS, ids=lambda x: getattr(x, "model", str(x))[:8])
 def test_uneven_lengths(pool: SPMDPool, world: int, row: Row, backend: str) -> None:
-    # BEiT is not run under Inductor: torch.compile alone (no AutoSP) differs from eager on it here
-    # (the [CLS] token's gradient by 20%), so no SP program could match eager there.
     out = _exact_on(pool, world, row, backend)
     assert out.detail == "1 of 1 graphs sharded, 2 attention sites, uneven pieces", out.cell()
 
 
 def _exact_on(pool: SPMDPool, world: int, row: Row, backend: str) -> Outcome:
-    """``row`` on ``world`` ranks (the module's pool at 2, its own otherwise), asserted exact."""
+    """``row`` on ``world`` ranks (the module's pool at 2, its own otherwise), asserted exact; under
+    Inductor with eager's random draws (``fallback_random``: dropout and stochastic depth in training)."""
+    options = {"options": {"fallback_random": True}} if backend == "inductor" else {}
     if world == 2:
-        out = check_row(pool, row, backend=backend, timeout_s=600.0)
+        out = check_row(pool, row, backend=backend, timeout_s=600.0, **options)
     else:
         with SPMDPool(world, pg_timeout_s=240.0) as own:
-            out = check_row(own, row, backend=backend, timeout_s=600.0)
+            out = check_row(own, row, backend=backend, timeout_s=600.0, **options)
     assert out.kind == "exact", f"P={world} {backend} {row.label()}: {out.cell()}"
     return out
 
