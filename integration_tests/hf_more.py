@@ -285,7 +285,44 @@ def _builder(model_type: str, attention: str, task: str) -> Callable[[], Any]:
     return build
 
 
+def _qwen2_vl() -> Any:
+    """Qwen2-VL: a vision tower's 4 merged tokens per image scattered into the text at its image
+    tokens, and multimodal rotary positions (M-RoPE: time, height, width) computed from them."""
+    import transformers as t
+
+    text = dict(_SIZES, num_key_value_heads=hm.KV_HEADS, vocab_size=QWEN2_VL_VOCAB, max_position_embeddings=128)
+    text["rope_scaling"] = {"type": "mrope", "mrope_section": [1, 1, 2]}
+    vision = dict(depth=1, embed_dim=16, hidden_size=hm.HIDDEN, num_heads=2, patch_size=4, spatial_merge_size=2)
+    vision.update(temporal_patch_size=2, in_chans=3, mlp_ratio=2)
+    cfg = t.Qwen2VLConfig(text_config=text, vision_config=vision, **dict(zip(_QWEN2_VL_TOKENS, range(150, 154))))
+    cfg._attn_implementation = "sdpa"
+    return t.Qwen2VLForConditionalGeneration(cfg)
+
+
+QWEN2_VL = "Qwen2-VL (image tokens merged into the text, M-RoPE)"
+QWEN2_VL_VOCAB = 160
+_QWEN2_VL_TOKENS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+
+
+def qwen2_vl_batch(generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """One 16 x 16 image per row (4 x 4 patches of 4, merged 2 x 2 into 4 tokens) between its start
+    and end tokens, in 16 tokens of text; the image's tokens are not trained on."""
+    ids = torch.randint(1, 140, (hm.BATCH, hm.SEQ), generator=generator)
+    ids[:, 1], ids[:, 2:6], ids[:, 6] = 152, 150, 153
+    pixels = torch.randn(hm.BATCH * 16, 3 * 2 * 4 * 4, generator=generator)
+    labels = ids.masked_fill(ids >= 150, -100)
+    grid = torch.tensor([[1, 4, 4]] * hm.BATCH)
+    return {
+        "input_ids": ids,
+        "pixel_values": pixels,
+        "image_grid_thw": grid,
+        "labels": labels,
+        "mm_token_type_ids": (ids == 150).long(),
+    }
+
+
 BUILDERS: dict[str, Callable[[], Any]] = {name: _builder(*spec) for name, spec in ARCHITECTURES.items()}
+BUILDERS[QWEN2_VL] = _qwen2_vl
 CLASSIFIERS = {name for name, (_, _, task) in ARCHITECTURES.items() if task == "classify"}
 VISION = {name for name, (_, _, task) in ARCHITECTURES.items() if task == "vision"}
 AUDIO = {name for name, (_, _, task) in ARCHITECTURES.items() if task == "audio"}
@@ -310,8 +347,8 @@ NO_CHECKPOINTING = frozenset({"ALBERT classifier"})
 def more_rows(variants: tuple[str, ...] = ("ulysses", "ring"), checkpointing: bool = False) -> list[hm.Row]:
     """Every architecture above, fp32 training, under each variant (``checkpointing``: HF's
     ``gradient_checkpointing_enable()`` on each)."""
-    names = [n for n in ARCHITECTURES if not (checkpointing and n in NO_CHECKPOINTING)]
+    names = [n for n in [*ARCHITECTURES, QWEN2_VL] if not (checkpointing and n in NO_CHECKPOINTING)]
     return [hm.Row(name, v, checkpointing) for name in names for v in variants]
 
 
-__all__ = ["ARCHITECTURES", "BUILDERS", "CLASSIFIERS", "config", "more_rows"]
+__all__ = ["ARCHITECTURES", "AUDIO", "BUILDERS", "CLASSIFIERS", "QWEN2_VL", "VISION", "config", "more_rows"]

@@ -139,6 +139,9 @@ MORE_ROWS: dict[Row, str] = {
     Row("SegFormer (spatial-reduction attention)", "ring"): "1 of 1 graphs sharded, 2 attention sites",
     Row("Qwen3-Next (gated delta rule + attention, MoE)", "ring"): "1 of 1 graphs sharded, 1 attention sites",
     Row("XLNet (relative attention, last-token summary)", "ulysses"): "1 of 1 graphs sharded, 2 attention sites",
+    # A vision tower's tokens scattered into the text at its image tokens, M-RoPE positions from them,
+    # and graph breaks between: the text's attention sharded, the vision tower's whole.
+    Row("Qwen2-VL (image tokens merged into the text, M-RoPE)", "ring"): "10 of 17 graphs sharded, 4 attention sites",
     # Gradients of 1e4 whose small elements fp32 rounds in their 1e-3s (exact in float64): once a false bug.
     Row("DeiT (distillation token)", "ring"): "1 of 1 graphs sharded, 2 attention sites",
 }
