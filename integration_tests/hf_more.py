@@ -340,6 +340,43 @@ def audio_batch(generator: torch.Generator) -> dict[str, torch.Tensor]:
     return {"input_values": samples, "labels": torch.randint(0, hm.CLASSES, (hm.BATCH,), generator=generator)}
 
 
+def specaugment_step(rank: int, world: int, seed_apart: bool) -> dict[str, Any]:
+    """Pool task: Wav2Vec2 training with SpecAugment on, whose time masks ``_compute_mask_indices``
+    draws with NumPy in eager (``np.random.choice`` breaks the graph; Dynamo told to keep NumPy's
+    stream, so that single-device eager draws the same), against single-device eager.
+
+    ``seed_apart``: NumPy seeded ``seed + rank`` after the reference ran: each rank would mask other
+    frames of one sequence. Returns the error's type and text, or the differences from eager."""
+    import copy
+
+    import numpy as np
+    import transformers as t
+
+    from autosp import compile as sp_compile
+
+    torch._dynamo.reset()
+    cfg = config("wav2vec2", "eager")
+    cfg.update(dict(mask_time_prob=0.5, mask_time_length=2))
+    torch.manual_seed(0)
+    model = t.AutoModelForAudioClassification.from_config(cfg).train()
+    batch = audio_batch(torch.Generator().manual_seed(1))
+    np.random.seed(7)
+    torch.manual_seed(0)
+    ref = hm._step(copy.deepcopy(model), batch, "train")
+    compiled = sp_compile(model, variant="ulysses", backend="aot_eager")
+    np.random.seed(7 + (rank if seed_apart else 0))
+    torch.manual_seed(0)
+    saved = torch._dynamo.config.use_numpy_random_stream
+    torch._dynamo.config.use_numpy_random_stream = True
+    try:
+        got = hm._step(compiled, batch, "train")
+    except Exception as e:  # noqa: BLE001 - the test asserts on it
+        return {"error": f"{type(e).__name__}: {e}"}
+    finally:
+        torch._dynamo.config.use_numpy_random_stream = saved
+    return {"error": None, "problems": hm._differences(got, ref, "train")}
+
+
 # HF itself raises on gradient_checkpointing_enable() for these.
 NO_CHECKPOINTING = frozenset({"ALBERT classifier"})
 

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 from hf_matrix import Outcome, Row, check_row, classify
+from hf_more import specaugment_step
 from spmd_pool import RankError, SPMDPool
 
 # Row -> None when it must be exact, else a phrase its refusal must contain (a clear message, recorded verbatim
@@ -178,6 +179,18 @@ def test_a_block_loop_that_recompiles_is_refused_naming_the_function(pool: SPMDP
     assert out.kind == "refused" and "inside the first call" in out.detail, out.cell()
     assert "_get_single_block_row_attention" in out.detail and "torch.compiler.disable" in out.detail, out.cell()
     assert "mark_dynamic" not in out.detail, out.cell()
+
+
+@pytest.mark.extended(
+    covered_by="integration_tests/test_guards.py::test_ranks_seeded_apart_are_refused_when_the_program_draws_random_numbers"
+)
+def test_specaugment_drawn_with_numpy_is_exact_or_refused(pool: SPMDPool) -> None:
+    # Wav2Vec2's SpecAugment masks frames drawn with NumPy in eager code: no graph shows the draw, and
+    # ranks seeded apart once each masked other frames of the one sequence, silently.
+    for r in pool.run(specaugment_step, True, timeout_s=600):
+        assert r["error"].startswith("RandomStateMismatch: the SP ranks hold different NumPy global random"), r
+    for r in pool.run(specaugment_step, False, timeout_s=600):
+        assert r["error"] is None and not r["problems"], r
 
 
 @pytest.mark.extended(covered_by="integration_tests/test_fuzz.py::test_check_catches_a_missing_gradient_all_reduce")
