@@ -149,10 +149,9 @@ def refuse_eager_draws(before: Sequence[int], split: Callable[[str], list[list[i
     now = dict(zip(DEVICE_TYPES, rng_digests()))
     for device in apart:
         if now[device] != before[DEVICE_TYPES.index(device)]:
-            what = "this call, in code that runs outside the compiled graphs (in eager)"
-            raise RandomStateMismatch(
-                split_message(what, [(device, "its global generator advanced")], device, split(device))
-            )
+            what = "this call, in code that runs outside the compiled graphs (in eager),"
+            drew = [(device, "its global generator moved during the call")]
+            raise RandomStateMismatch(split_message(what, drew, device, split(device)))
 
 
 def refuse_divergent_rng(
