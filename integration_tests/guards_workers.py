@@ -111,7 +111,10 @@ class _MaskedInEager(torch.nn.Module):
 def _seed_draw(draw: str, seed: int) -> None:
     import numpy as np
 
-    np.random.seed(seed) if draw == "numpy" else torch.manual_seed(seed)
+    if draw == "numpy":
+        np.random.seed(seed)
+    else:
+        torch.manual_seed(seed)
 
 
 GLOBAL_SCALE = torch.ones(16)  # a module-level tensor the forward reads (set per rank by the worker)

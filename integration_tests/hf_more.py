@@ -102,7 +102,7 @@ ARCHITECTURES: dict[str, tuple[str, str, str]] = {
     "Apertus (xIELU)": ("apertus", "sdpa", "lm"),
     "Doge (dynamic mask attention)": ("doge", "sdpa", "lm"),
     # Speech: 128 samples cut into 16 frames by strided convs, a grouped positional conv, mean-pooled
-    # over the frames into a classifier (HF's defaults: layerdrop, SpecAugment off at its own 0 here).
+    # over the frames into a classifier; HF's layerdrop on, SpecAugment off (on in ``specaugment_step``).
     "Wav2Vec2 audio classifier": ("wav2vec2", "eager", "audio"),
     "HuBERT audio classifier": ("hubert", "sdpa", "audio"),
     "WavLM audio classifier (gated relative bias)": ("wavlm", "eager", "audio"),
@@ -206,7 +206,7 @@ _AUDIO: dict[str, Any] = dict(
     max_position_embeddings=16,
 )
 AUDIO_SAMPLES = 128  # cut by the strides (4, 2) into 16 frames
-# Layers kinds named per layer: one of each (the defaults list dozens).
+# Hybrids' layer kinds, one per layer: one of each kind (the defaults list dozens of layers).
 _LAYER_KINDS: dict[str, list[str]] = {
     "qwen3_next": ["linear_attention", "full_attention"],
     "minimax": ["linear_attention", "full_attention"],
