@@ -140,6 +140,11 @@ MORE_ROWS: dict[Row, str] = {
     Row("SegFormer (spatial-reduction attention)", "ring"): "1 of 1 graphs sharded, 2 attention sites",
     Row("Qwen3-Next (gated delta rule + attention, MoE)", "ring"): "1 of 1 graphs sharded, 1 attention sites",
     Row("XLNet (relative attention, last-token summary)", "ulysses"): "1 of 1 graphs sharded, 2 attention sites",
+    # Relative terms added to the flat [B*H, S, S] scores before their 4-D view: once not found, so
+    # nothing was sharded; now found and kept as written.
+    Row("DeBERTa-v2 (disentangled relative attention)", "ring"): (
+        "2 of 2 graphs sharded, 0 attention sites, attention kept as written"
+    ),
     # A vision tower's tokens scattered into the text at its image tokens, M-RoPE positions from them,
     # and graph breaks between: the text's attention sharded, the vision tower's whole.
     Row("Qwen2-VL (image tokens merged into the text, M-RoPE)", "ring"): "10 of 17 graphs sharded, 4 attention sites",

@@ -319,6 +319,26 @@ def test_attention_over_merged_batch_and_heads_is_found_and_kept():
     assert region.output.target is torch.ops.aten.bmm.default
 
 
+def flat_relative_terms(q, k, v, mask):
+    # DeBERTa's disentangled attention: relative terms (a gather along the key axis of q's products
+    # with position keys) added to the flat [B*H, S, S] scores, then a 4-D view for the mask and softmax.
+    q3, k3, v3 = (t.reshape(B * H, S, D) for t in (q, k, v))
+    pos_k = torch.arange(2 * S * D, dtype=q.dtype).reshape(2 * S, D) / (2 * S * D)
+    rel = torch.arange(S)[None, :] - torch.arange(S)[:, None] + S
+    c2p = torch.gather(q3 @ pos_k.T, -1, rel.expand(B * H, S, S))
+    att = (torch.bmm(q3, k3.transpose(-1, -2)) + c2p).view(B, H, S, S).masked_fill(~mask, MIN)
+    return torch.bmm(att.softmax(-1).view(B * H, S, S), v3).view(B, H, S, D)
+
+
+def test_scores_changed_before_their_four_dimensional_view_are_found_and_kept():
+    gm = _lowered(flat_relative_terms)
+    (region,) = find_eager_regions(gm)
+    assert region.why_not is not None and "before their [B, H, S, Sk] view" in region.why_not
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    assert (region.q, region.k, region.v) == tuple(placeholders[:3])
+    assert (region.shape4("q"), region.shape4("k")) == ((B, H, S, D), (B, H, S, D))
+
+
 def test_multihead_attention_returning_its_weights_is_found_and_kept():
     # need_weights=True (nn.MultiheadAttention's default): bmm over [S, B*H, d] views transposed, no 4-D q.
     mha = torch.nn.MultiheadAttention(H * D, H, batch_first=True)

@@ -233,13 +233,16 @@ def find_eager_regions(gm: torch.fx.GraphModule) -> list[EagerRegion]:
     """Every ``bmm (or baddbmm) -> score ops -> softmax (-> dropout) -> bmm`` over 4-D q, k, v, in graph order.
 
     Also attention written over ``[B*H, S, d]`` (a 3-D softmax), as older Hugging Face code writes
-    it (XGLM, BART, Marian): found, so the graph shards its sequence, but always kept as written.
+    it (XGLM, BART, Marian), or whose flat scores are changed before a 4-D softmax (DeBERTa): found,
+    so the graph shards its sequence, but always kept as written.
     """
     regions = []
     for sm in gm.graph.nodes:
         if sm.op != "call_function" or sm.target is not aten._softmax.default:
             continue
-        region = _region_at(sm) if len(_shape(sm)) == 4 else _flat_region_at(sm)
+        region = _region_at(sm) if len(_shape(sm)) == 4 else None
+        if region is None:
+            region = _flat_region_at(sm)
         if region is not None:
             regions.append(region)
     return regions
@@ -272,11 +275,15 @@ def _flat_kt_to_4d(node: Any) -> torch.fx.Node | None:
 
 
 def _flat_region_at(sm: torch.fx.Node) -> EagerRegion | None:
+    """Attention whose scores are a ``[B*H, S, Sk]`` bmm up to the softmax: a 3-D softmax, or a 4-D one
+    that :func:`_region_at` could not trace to a 4-D view of the scores (DeBERTa adds its relative
+    terms to the flat scores before viewing them as ``[B, H, S, Sk]``). Always kept as written."""
     shp = _shape(sm)
-    if len(shp) != 3 or sm.args[1] % 3 != 2:
+    if len(shp) not in (3, 4) or sm.args[1] % len(shp) != len(shp) - 1:
         return None
+    flat = (shp[0] * shp[1], *shp[2:]) if len(shp) == 4 else shp
     scores = _back_to_bmm(sm.args[0], math.prod(shp))
-    if scores is None or _shape(scores) != shp:
+    if scores is None or _shape(scores) != flat:
         return None
     found = _forward_to_bmm(sm, [])
     if found is None:
@@ -293,11 +300,16 @@ def _flat_region_at(sm: torch.fx.Node) -> EagerRegion | None:
         softmax=sm,
         weights=path,
         merged=frozenset(w for w, (four, _) in named.items() if four is None),
-        heads=_shape(q4)[:2] if q4 is not None else (1, shp[0]),
-        why_not="it is written over [batch * heads, S, d] tensors, which no variant rewrites yet",
+        heads=_shape(q4)[:2] if q4 is not None else (shp[:2] if len(shp) == 4 else (1, shp[0])),
+        why_not=(
+            "it is written over [batch * heads, S, d] tensors, which no variant rewrites yet"
+            if len(shp) == 3
+            else "its scores pass through ops over [batch * heads, S, Sk] before their [B, H, S, Sk] view, "
+            "which no variant rewrites yet"
+        ),
     )
     (b, h, s, d), (bk, hk, sk, dk), (bv, hv, sv, _) = (region.shape4(w) for w in ("q", "k", "v"))
-    if shp != (b * h, s, sk) or d != dk or sk != sv or (bk, hk) != (bv, hv) or bk != b:
+    if flat != (b * h, s, sk) or d != dk or sk != sv or (bk, hk) != (bv, hv) or bk != b:
         return None
     return region
 
