@@ -9,6 +9,7 @@ Runtime: about 1400 tests in 25 s of CPU (make_fx tracing, the costly part, runs
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from autosp.linear_cross_entropy import OP as LINEAR_CROSS_ENTROPY
 from autosp.sharding.placement import Partial, Replicate, SeqAxis, Shard
@@ -1235,6 +1237,25 @@ case(aten.exp.default, "partial", args(lambda g: randn(g, B, D)), Partial())
 case(aten.pow.Tensor_Scalar, "partial", args(lambda g: randn(g, B, D), 2), Partial())
 case(aten.rsqrt.default, "shard", args(lambda g: randn(g, B, S, D).abs() + 1), shard(1, "zigzag_sliced"))
 case(aten.sigmoid.default, "head-sharded", args(lambda g: randn(g, B, 4, S)), head_shard(1))
+# Not tagged pointwise by torch; its second result is a buffer for the backward (the input's shape on CPU).
+for lay in ALL_LAYOUTS:
+    case(aten.log_sigmoid_forward.default, f"shard-{lay}", args(x3), shard(1, lay), expect=(Shard, Shard))
+case(
+    aten.log_sigmoid_forward.default,
+    "gate-[B,S]",
+    args(lambda g: randn(g, B, S)),
+    shard(1, "zigzag"),
+    expect=(Shard, Shard),
+)
+case(aten.log_sigmoid_forward.default, "replicated-seq", args(x3), rs(1), expect=(Replicate, Replicate))
+case(
+    aten.log_sigmoid_forward.default,
+    "partial",
+    args(lambda g: randn(g, B, D)),
+    Partial(),
+    expect=(Replicate, Replicate),
+)
+case(aten.log_sigmoid_forward.default, "head-sharded", args(lambda g: randn(g, B, 4, S)), head_shard(1))
 case(aten.eq.Scalar, "partial-int-count", args(lambda g: ints(g, 3, B, D), 0), Partial())
 case(
     aten.index_select.default, "partial-int-index", args(x3, 1, lambda g: ints(g, S, 3)), shard(1, "zigzag"), Partial()
@@ -1250,6 +1271,47 @@ for lay in ALL_LAYOUTS:
     # Position ids from a padding mask: attention_mask.cumsum(-1).
     case(aten.cumsum.default, f"int-mask-positions-{lay}", args(lambda g: mask(g, B, S).long(), -1), shard(1, lay))
 case(aten.cumsum.default, "bool-over-seq", args(lambda g: mask(g, B, S), 1), shard(1, "zigzag"))
+
+
+def inf_late(g: torch.Generator) -> torch.Tensor:
+    """An ``inf`` near the end: one device's running sums before it stay finite."""
+    x = randn(g, B, S, D)
+    x[:, S - 2] = math.inf
+    return x
+
+
+for lay in ("even", "zigzag"):
+    # Once every piece's offset was (totals * before).sum(): inf * 0 made the first pieces NaN.
+    case(aten.cumsum.default, f"inf-late-{lay}", args(inf_late, 1), shard(1, lay))
+for lay in ALL_LAYOUTS:
+    case(aten.logcumsumexp.default, f"over-seq-{lay}", args(x3, 1), shard(1, lay), expect=(Shard,))
+case(
+    aten.logcumsumexp.default,
+    "gate-[B,S]-last",
+    args(lambda g: randn(g, B, S), -1),
+    shard(1, "uneven"),
+    expect=(Shard,),
+)
+
+
+def gates_with_zeros(g: torch.Generator) -> torch.Tensor:
+    """Log gates with zeros (``-inf``): scattered, a leading run across pieces (torch's backward is NaN
+    where the result is ``-inf``), a run of whole pieces after finite values (gradient 0 there)."""
+    x = randn(g, 3, S).masked_fill(mask(g, 3, S), -math.inf)
+    x[1, : S // 2 + 1] = -math.inf
+    x[2, 2 : S - 2] = -math.inf
+    return x
+
+
+for lay in ALL_LAYOUTS:
+    case(
+        aten.logcumsumexp.default, f"gates-with-zeros-{lay}", args(gates_with_zeros, 1), shard(1, lay), expect=(Shard,)
+    )
+case(aten.logcumsumexp.default, "folded-[B*S,D]", args(lambda g: randn(g, B * S, D), 0), shard(0, "zigzag", length=S))
+case(aten.logcumsumexp.default, "over-D", args(x3, 2), shard(1, "uneven"), expect=(Shard,))
+case(aten.logcumsumexp.default, "replicated-seq", args(x3, 1), rs(1))
+case(aten.logcumsumexp.default, "head-sharded", args(lambda g: randn(g, B, 4, S), 2), head_shard(1))
+
 case(aten.cumsum.default, "dtype-over-seq", args(x3, 1, dtype=torch.float32), shard(1, "uneven"), atol=1e-5, rtol=1e-5)
 case(aten.cumsum.default, "folded-[B*S,D]", args(lambda g: randn(g, B * S, D), 0), shard(0, "zigzag", length=S))
 case(aten.cumsum.default, "replicated-seq", args(x3, 1), rs(1))
@@ -1718,6 +1780,29 @@ def test_every_rule_has_a_case() -> None:
     covered = {c.op for c in CASES}
     missing = sorted(str(op) for op in RULES if op not in covered)
     assert not missing, f"sharding rules without a case in {__file__}: {missing}"
+
+
+@torch.library.custom_op("autosp_test::log_sigmoid_cuda_like", mutates_args=())
+def _log_sigmoid_cuda_like(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return F.logsigmoid(x), x.new_empty(0)
+
+
+@_log_sigmoid_cuda_like.register_fake
+def _(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(x), x.new_empty(0)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_log_sigmoid_buffer_empty_as_on_cuda_is_replicated(monkeypatch: pytest.MonkeyPatch, world: int) -> None:
+    """On CUDA ``log_sigmoid_forward``'s buffer is empty: the same on every rank, not a piece of anything."""
+    from autosp.sharding.rules.elementwise import log_sigmoid_rule
+
+    op = torch.ops.autosp_test.log_sigmoid_cuda_like.default
+    monkeypatch.setitem(RULES, op, log_sigmoid_rule)
+    g = torch.Generator().manual_seed(0)
+    check_op(
+        op, (x3(g),), placements=[shard(1, "zigzag")], world=world, expect=(Shard, Replicate), requires_grad=[False]
+    )
 
 
 def test_a_wrong_rule_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:

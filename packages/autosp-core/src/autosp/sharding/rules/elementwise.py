@@ -162,6 +162,19 @@ for _op in (
 declare(elementwise, (Partial,))
 
 
+def log_sigmoid_rule(ctx: SPContext, node: torch.fx.Node, args: tuple, kwargs: dict) -> Any:
+    """``log_sigmoid_forward``: elementwise, though torch does not tag it pointwise (``F.logsigmoid``,
+    the log-space gates of linear attention). Its second result is a buffer for its backward, of the
+    input's shape on CPU and empty on CUDA: an empty one is the same on every rank, so replicated."""
+    out, buffer = elementwise(ctx, node, args, kwargs)
+    if buffer.gval.numel() == 0 and not isinstance(buffer.placement, Replicate):
+        buffer = SPValue(buffer.local, Replicate(), buffer.gval)
+    return out, buffer
+
+
+RULES[aten.log_sigmoid_forward.default] = log_sigmoid_rule
+
+
 def copy_values(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
     """``aten.copy``'s value, written with ops that have a derivative (``aten.copy`` has none)."""
     return src.to(dtype=dst.dtype, device=dst.device).expand(dst.shape).clone()

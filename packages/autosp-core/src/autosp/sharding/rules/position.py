@@ -8,6 +8,9 @@ zigzag).
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+
 import torch
 
 from autosp.sharding import collectives as C
@@ -56,28 +59,96 @@ def cumsum_rule(ctx, node, args, kwargs):
         return replicated(ctx, node, args, kwargs, p.axis)
     if p.axis.dim != dim:
         return SPValue(call(node, args, kwargs), p, node.meta["val"])
-    counts = {len(pieces) for pieces in p.ranges}
-    static = all(isinstance(n, int) for pieces in p.ranges for span in pieces for n in span)
-    if not static or p.axis.inner != 1 or p.axis.outer(v.gval.shape[dim]) != 1 or len(counts) != 1:
+    if not _scannable(v):
         return fallback(ctx, node, args, kwargs)
-    # Each piece's running sum, plus the total of every position before it on any rank:
-    # one all-gather of per-piece totals, whose backward (reduce-scatter) keeps gradients exact.
     dtype = kwargs.get("dtype") or (args[2] if len(args) > 2 else None)
     x = v.local if dtype is None else v.local.to(dtype)
+    out = _scan(
+        ctx,
+        x,
+        p,
+        scan=lambda piece: piece.cumsum(dim),
+        total=lambda t: t.sum(dim, keepdim=True),
+        after=lambda offset, piece: piece.cumsum(dim) + offset,
+    )
+    return SPValue(out, p, node.meta["val"])
+
+
+@rule(aten.logcumsumexp.default)
+def logcumsumexp_rule(ctx, node, args, kwargs):
+    """Log-space running sums (the gates of linear attention).
+
+    ``-inf`` (a gate of 0) is where a split could differ from one device: torch's backward gives NaN
+    at the positions whose result is ``-inf`` (a leading run of them) and 0 at other ``-inf`` inputs.
+    So a piece is scanned *from* the ``logsumexp`` of everything before it (prepended, then dropped),
+    its result ``-inf`` exactly where the whole scan's is; and a piece that is ``-inf`` throughout
+    totals ``-inf`` with a zero gradient (``logsumexp``'s own would be NaN).
+    """
+    v, dim = args[0], normalize_dim(args[1], args[0].ndim)
+    p = v.placement
+    if isinstance(p, Replicate):
+        return replicated(ctx, node, args, kwargs, p.axis)
+    if p.axis.dim != dim:
+        return SPValue(call(node, args, kwargs), p, node.meta["val"])
+    if not _scannable(v):
+        return fallback(ctx, node, args, kwargs)
+
+    def total(t: torch.Tensor) -> torch.Tensor:
+        empty = (t == -math.inf).all(dim, keepdim=True)
+        lse = torch.where(empty, 0.0, t).logsumexp(dim, keepdim=True)
+        return torch.where(empty, -math.inf, lse)
+
+    def after(offset: torch.Tensor, piece: torch.Tensor) -> torch.Tensor:
+        return torch.logcumsumexp(torch.cat([offset, piece], dim), dim).narrow(dim, 1, piece.shape[dim])
+
+    out = _scan(ctx, v.local, p, scan=lambda piece: piece.logcumsumexp(dim), total=total, after=after)
+    return SPValue(out, p, node.meta["val"])
+
+
+def _scannable(v: SPValue) -> bool:
+    """Pieces of static bounds along a plain sequence dim, as many on every rank."""
+    p = v.placement
+    counts = {len(pieces) for pieces in p.ranges}
+    static = all(isinstance(n, int) for pieces in p.ranges for span in pieces for n in span)
+    return static and p.axis.inner == 1 and p.axis.outer(v.gval.shape[p.axis.dim]) == 1 and len(counts) == 1
+
+
+Scan = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _scan(
+    ctx: SPContext, x: torch.Tensor, p: Shard, *, scan: Scan, total: Scan, after: Callable[..., torch.Tensor]
+) -> torch.Tensor:
+    """An associative running scan of ``x`` along its sharded dim, by global position.
+
+    ``scan(piece)`` for a piece with nothing before it, ``after(offset, piece)`` for one whose
+    predecessors (on any rank) ``total`` to ``offset`` (``total`` of their totals). One all-gather
+    of per-piece totals, whose backward (reduce-scatter) keeps gradients exact. Empty pieces count
+    for nothing.
+    """
+    dim = p.axis.dim
     mine = p.ranges[ctx.rank]
     pieces = list(x.split([hi - lo for lo, hi in mine], dim))
-    totals = torch.cat([piece.sum(dim, keepdim=True) for piece in pieces], dim)
+    totals = torch.cat([total(piece) for piece in pieces], dim)
     ctx.note("all_gather")
     every = C.all_gather(totals.contiguous(), dim, [len(mine)] * ctx.world, ctx.group_name, False)
-    starts = [lo for pieces_r in p.ranges for lo, _ in pieces_r]
-    out = []
+    spans = [span for pieces_r in p.ranges for span in pieces_r]
+    out, linked = [], False
     for piece, (lo, _) in zip(pieces, mine):
-        before = torch.tensor([s < lo for s in starts], dtype=x.dtype, device=x.device)
-        shape = [1] * x.dim()
-        shape[dim] = len(starts)
-        offset = (every * before.view(shape)).sum(dim, keepdim=True)
-        out.append(piece.cumsum(dim) + offset)
-    return SPValue(torch.cat(out, dim), p, node.meta["val"])
+        before = [i for i, (start, end) in enumerate(spans) if start < lo and end > start]
+        if before:
+            offset = total(every.index_select(dim, torch.tensor(before, device=x.device)))
+            out.append(after(offset, piece))
+            linked = True
+        else:
+            out.append(scan(piece))
+    result = torch.cat(out, dim)
+    if not linked:
+        # The result must depend on the all-gather on every rank, or this one would skip its
+        # backward's collective and the others would wait for it. masked_fill, not ``* 0``: an inf
+        # or nan in another rank's totals must not leak in (nor into their gradient).
+        result = result + every.sum().masked_fill(torch.ones((), dtype=torch.bool, device=x.device), 0)
+    return result
 
 
-__all__ = ["cumsum_rule", "positions", "triangle_rule"]
+__all__ = ["cumsum_rule", "logcumsumexp_rule", "positions", "triangle_rule"]

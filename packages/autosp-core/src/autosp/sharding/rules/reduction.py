@@ -164,7 +164,6 @@ _ALONG = {
     aten.cumprod.default: _Along(1, None),
     aten.cummax.default: _Along(1, None),
     aten.cummin.default: _Along(1, None),
-    aten.logcumsumexp.default: _Along(1, None),
 }
 _DEFAULT_DIM = {aten.kthvalue.default: -1, aten.mode.default: -1}
 
