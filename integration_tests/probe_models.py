@@ -586,14 +586,16 @@ NAMES = list(BUILDERS)
 
 
 def build(name: str, seq: int) -> nn.Module:
-    from probe_sequence import PROGRAMS  # they build on this module's blocks
+    from probe_routing import PROGRAMS as ROUTING  # they build on this module's blocks
+    from probe_sequence import PROGRAMS
     from probe_tasks import TASKS
 
     torch.manual_seed(0)
-    return (TASKS.get(name) or PROGRAMS.get(name) or BUILDERS[name])(seq)
+    return (TASKS.get(name) or PROGRAMS.get(name) or ROUTING.get(name) or BUILDERS[name])(seq)
 
 
 def inputs(name: str, seq: int = 16, batch: int = 2) -> tuple[torch.Tensor, ...]:
+    import probe_routing
     from probe_sequence import PROGRAMS, program_inputs
     from probe_tasks import TASKS, task_inputs
 
@@ -601,6 +603,8 @@ def inputs(name: str, seq: int = 16, batch: int = 2) -> tuple[torch.Tensor, ...]
         return task_inputs(name, seq, batch)
     if name in PROGRAMS:
         return program_inputs(name, seq, batch)
+    if name in probe_routing.PROGRAMS:
+        return probe_routing.program_inputs(name, seq, batch)
     if name.startswith("hf-"):
         return hf_inputs(name, seq, batch)
     g = torch.Generator().manual_seed(3)

@@ -32,6 +32,7 @@ from collections.abc import Iterator
 import pytest
 from harness import run_spmd
 from probe_models import HOOKS, ROUTES
+from probe_routing import PROGRAMS as ROUTING
 from probe_sequence import PROGRAMS
 from probe_tasks import TASKS
 from probe_workers import run_inference, run_probes
@@ -718,6 +719,43 @@ def test_twelfth_round(pool: SPMDPool) -> None:
 @pytest.mark.extended(covered_by="test_twelfth_round")
 def test_twelfth_round_on_more_ranks(variant: str, world: int, seq: int, backend: str, options: dict) -> None:
     probes = [(name, seq, 2) for name in PROGRAMS]
+    _eleventh_exact(
+        run_spmd(run_probes, world, probes, variant, backend, options), probes, f"{variant} {backend} P={world}"
+    )
+
+
+# The thirteenth round (probe_routing.py): tokens routed, sampled, merged and recurred over. ToMe's
+# bipartite merging, a Gumbel-softmax router and REINFORCE by ``multinomial`` (draws over the
+# sequence), an STFT frontend (complex frames), a bidirectional LSTM (Dynamo breaks the graph around
+# it: run in eager, whole, named), point-cloud neighbourhoods by ``cdist`` and ``topk``, buckets from
+# ``bucketize``, pairs merged by a reshape after ``F.pad``, ``unfold``ed windows, mixture-of-depths,
+# a ``roll``ed negative, ``logcumsumexp`` gates, stick-breaking by ``cumprod``, a frozen teacher.
+THIRTEENTH_ROUND = [(name, 15, 2) for name in ROUTING]
+ROUND_OPTIONS = {"fullgraph": False}  # the LSTM breaks the graph
+
+
+def test_thirteenth_round(pool: SPMDPool) -> None:
+    per_rank = pool.run(run_probes, THIRTEENTH_ROUND, "ulysses", "aot_eager", ROUND_OPTIONS, timeout_s=600)
+    _eleventh_exact(per_rank, THIRTEENTH_ROUND, "ulysses")
+    lstm = per_rank[0]["lstm-head", 15, 2]
+    assert any("rnn.weight_ih_l0" in w for w in lstm["ran_in_eager"]), lstm
+    # Gates through F.logsigmoid (log_sigmoid_forward) and logcumsumexp keep their tokens (once
+    # gathered whole); only the [S, S] decay's key axis is gathered, as a pair matrix needs.
+    gates = per_rank[0]["gated-linear-attention", 15, 2]["fallbacks"]
+    assert gates == ["sub: operand sharded on a broadcast dim"], gates
+
+
+@pytest.mark.parametrize(
+    ("variant", "world", "seq", "backend", "options"),
+    [
+        ("ring", 3, 17, "aot_eager", ROUND_OPTIONS),
+        ("hybrid", 4, 18, "aot_eager", ROUND_OPTIONS),
+        ("ulysses", 4, 18, "inductor", EAGER_DRAWS),
+    ],
+)
+@pytest.mark.extended(covered_by="test_thirteenth_round")
+def test_thirteenth_round_on_more_ranks(variant: str, world: int, seq: int, backend: str, options: dict) -> None:
+    probes = [(name, seq, 2) for name in ROUTING]
     _eleventh_exact(
         run_spmd(run_probes, world, probes, variant, backend, options), probes, f"{variant} {backend} P={world}"
     )
