@@ -233,6 +233,8 @@ def batch(row: Row) -> dict[str, torch.Tensor]:
         return _more().audio_batch(g)
     if row.model == _more().QWEN2_VL:
         return _more().qwen2_vl_batch(g)
+    if row.model not in BUILDERS and row.model in _more().SEQ2SEQ:
+        return _more().seq2seq_batch(g)
     seq = row.seq
     ids = torch.randint(3, VOCAB, (BATCH, seq), generator=g)
     mask = torch.ones_like(ids)

@@ -9,8 +9,8 @@ new user brings. ``hf_matrix.build`` finds them by name, so every matrix tool ru
 Beyond decoder LMs and BERT-likes: encoders whose attention gathers relative positions or reshapes
 the sequence (DeBERTa, Funnel, BigBird, Longformer, CANINE, XLNet), state-space and recurrent LMs and
 their hybrids with attention (Mamba, RWKV, Jamba, Bamba, Qwen3-Next), speech classifiers fed raw
-waveforms (Wav2Vec2, HuBERT, WavLM, SEW) and vision models whose token grid is windowed or reduced
-inside (Swin, SegFormer, PVT). Where a family's fields differ from the generic sizes they are written
+waveforms (Wav2Vec2, HuBERT, WavLM, SEW), vision models whose token grid is windowed or reduced
+inside (Swin, SegFormer, PVT), and encoder-decoders (T5, BART and their kin). Where a family's fields differ from the generic sizes they are written
 out (``_OVERRIDES``, ``_AUDIO``, ``_LAYER_KINDS``).
 """
 
@@ -116,6 +116,25 @@ ARCHITECTURES: dict[str, tuple[str, str, str]] = {
     "PVT (spatial-reduction attention)": ("pvt", "eager", "vision"),
     "PVT-v2 (overlapping patches, depthwise conv FFN)": ("pvt_v2", "eager", "vision"),
     "DeiT (distillation token)": ("deit", "eager", "vision"),
+    # Encoder-decoders (16 source tokens, 12 target tokens): the encoder's sequence, the longer, is
+    # sharded; the decoder's self-attention runs whole and its cross-attention keeps the memory whole.
+    "T5 (relative position buckets)": ("t5", "eager", "seq2seq"),
+    "mT5": ("mt5", "eager", "seq2seq"),
+    "UMT5 (a bias per layer)": ("umt5", "eager", "seq2seq"),
+    "LongT5 (transient-global local attention)": ("longt5", "eager", "seq2seq"),
+    "SwitchTransformers (T5 with top-1 experts)": ("switch_transformers", "eager", "seq2seq"),
+    "BART": ("bart", "sdpa", "seq2seq"),
+    "mBART": ("mbart", "sdpa", "seq2seq"),
+    "Marian": ("marian", "sdpa", "seq2seq"),
+    "Pegasus (sinusoidal positions)": ("pegasus", "sdpa", "seq2seq"),
+    "PegasusX (staggered blocks, global tokens)": ("pegasus_x", "eager", "seq2seq"),
+    "PLBart": ("plbart", "sdpa", "seq2seq"),
+    "Blenderbot": ("blenderbot", "sdpa", "seq2seq"),
+    "M2M100": ("m2m_100", "sdpa", "seq2seq"),
+    "NLLB-MoE": ("nllb-moe", "eager", "seq2seq"),
+    "LED (Longformer encoder)": ("led", "eager", "seq2seq"),
+    "BigBirdPegasus": ("bigbird_pegasus", "eager", "seq2seq"),
+    "ProphetNet (n-gram streams)": ("prophetnet", "eager", "seq2seq"),
 }
 
 _SIZES: dict[str, Any] = dict(
@@ -206,6 +225,25 @@ _AUDIO: dict[str, Any] = dict(
     max_position_embeddings=16,
 )
 AUDIO_SAMPLES = 128  # cut by the strides (4, 2) into 16 frames
+# Encoder-decoders' own names for the sizes, set where the config has them.
+_SEQ2SEQ: dict[str, Any] = dict(
+    d_ff=2 * hm.HIDDEN,
+    d_kv=hm.HIDDEN // hm.HEADS,
+    num_decoder_layers=hm.LAYERS,
+    encoder_layers=hm.LAYERS,
+    decoder_layers=hm.LAYERS,
+    decoder_attention_heads=hm.HEADS,
+    encoder_ffn_dim=2 * hm.HIDDEN,
+    decoder_ffn_dim=2 * hm.HIDDEN,
+    decoder_vocab_size=hm.VOCAB,
+    relative_attention_num_buckets=8,
+    expert_capacity=64,
+    ngram=2,
+    attention_window=4,
+    block_size=4,
+    num_random_blocks=1,
+)
+TARGET = 12  # target tokens of the encoder-decoders, after 16 source tokens
 # Hybrids' layer kinds, one per layer: one of each kind (the defaults list dozens of layers).
 _LAYER_KINDS: dict[str, list[str]] = {
     "qwen3_next": ["linear_attention", "full_attention"],
@@ -264,6 +302,9 @@ def config(model_type: str, attention: str) -> Any:
         cfg.window_size = hm.WINDOW
     if model_type in ("wav2vec2", "hubert", "wavlm", "sew", "sew-d"):
         cfg.update({k: v for k, v in _AUDIO.items() if hasattr(cfg, k)})
+    if cfg.is_encoder_decoder:
+        cfg.update({k: v for k, v in _SEQ2SEQ.items() if hasattr(cfg, k)})
+        cfg.update(dict(pad_token_id=0, decoder_start_token_id=1))  # T5's config lacks the second
     cfg.update(_OVERRIDES.get(model_type, {}))
     if model_type in _LAYER_KINDS:
         cfg.layer_types = _LAYER_KINDS[model_type]
@@ -279,6 +320,7 @@ def _builder(model_type: str, attention: str, task: str) -> Callable[[], Any]:
             "classify": t.AutoModelForSequenceClassification,
             "vision": t.AutoModelForImageClassification,
             "audio": t.AutoModelForAudioClassification,
+            "seq2seq": t.AutoModelForSeq2SeqLM,
         }.get(task, t.AutoModelForCausalLM)
         return auto.from_config(config(model_type, attention))
 
@@ -326,6 +368,7 @@ BUILDERS[QWEN2_VL] = _qwen2_vl
 CLASSIFIERS = {name for name, (_, _, task) in ARCHITECTURES.items() if task == "classify"}
 VISION = {name for name, (_, _, task) in ARCHITECTURES.items() if task == "vision"}
 AUDIO = {name for name, (_, _, task) in ARCHITECTURES.items() if task == "audio"}
+SEQ2SEQ = {name for name, (_, _, task) in ARCHITECTURES.items() if task == "seq2seq"}
 
 
 def vision_batch(generator: torch.Generator) -> dict[str, torch.Tensor]:
@@ -338,6 +381,15 @@ def audio_batch(generator: torch.Generator) -> dict[str, torch.Tensor]:
     """Raw waveforms and one class label per clip."""
     samples = torch.randn(hm.BATCH, AUDIO_SAMPLES, generator=generator)
     return {"input_values": samples, "labels": torch.randint(0, hm.CLASSES, (hm.BATCH,), generator=generator)}
+
+
+def seq2seq_batch(generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """Source tokens, and target tokens (the decoder's inputs are them shifted right, inside the
+    model) with a prompt of two that is not trained on."""
+    ids = torch.randint(3, hm.VOCAB, (hm.BATCH, hm.SEQ), generator=generator)
+    labels = torch.randint(3, hm.VOCAB, (hm.BATCH, TARGET), generator=generator)
+    labels[1, :2] = -100
+    return {"input_ids": ids, "labels": labels}
 
 
 def specaugment_step(rank: int, world: int, seed_apart: bool) -> dict[str, Any]:
@@ -388,4 +440,4 @@ def more_rows(variants: tuple[str, ...] = ("ulysses", "ring"), checkpointing: bo
     return [hm.Row(name, v, checkpointing) for name in names for v in variants]
 
 
-__all__ = ["ARCHITECTURES", "AUDIO", "BUILDERS", "CLASSIFIERS", "QWEN2_VL", "VISION", "config", "more_rows"]
+__all__ = ["ARCHITECTURES", "AUDIO", "BUILDERS", "CLASSIFIERS", "QWEN2_VL", "SEQ2SEQ", "VISION", "config", "more_rows"]

@@ -111,6 +111,24 @@ def test_checkpointed_hub_kernel_layers_stay_sequence_parallel(pool: SPMDPool, r
 
 
 # Architectures beyond the matrix (hf_more.py, generic configs) -> what the exact row's report must say.
+# Encoder-decoders (16 source tokens, 12 target tokens): the source sequence sharded (BART's six
+# attentions through SDPA, T5's written out with its relative-position bias, kept as written), the
+# target's self-attention whole on every rank, cross-attention with each rank's query rows against the
+# memory whole.
+ENCODER_DECODERS = {
+    Row("BART", "ulysses"): "1 of 1 graphs sharded, 6 attention sites",
+    Row(
+        "T5 (relative position buckets)", "ring"
+    ): "1 of 1 graphs sharded, 4 attention sites, attention kept as written",
+}
+
+
+@pytest.mark.parametrize("row", list(ENCODER_DECODERS), ids=["bart-ulysses", "t5-ring"])
+def test_encoder_decoders(pool: SPMDPool, row: Row) -> None:
+    out = check_row(pool, row, timeout_s=600.0)
+    assert out.kind == "exact" and ENCODER_DECODERS[row] in out.detail, out.cell()
+
+
 MORE_ROWS: dict[Row, str] = {
     Row("Qwen3-MoE", "ulysses"): "1 of 1 graphs sharded, 2 attention sites",
     Row("Gemma-3 (sliding window 8)", "ring"): "1 of 1 graphs sharded, 2 attention sites",
@@ -150,6 +168,8 @@ MORE_ROWS: dict[Row, str] = {
     Row("Qwen2-VL (image tokens merged into the text, M-RoPE)", "ring"): "10 of 17 graphs sharded, 4 attention sites",
     # Gradients of 1e4 whose small elements fp32 rounds in their 1e-3s (exact in float64): once a false bug.
     Row("DeiT (distillation token)", "ring"): "1 of 1 graphs sharded, 2 attention sites",
+    Row("SwitchTransformers (T5 with top-1 experts)", "ulysses"): "17 of 17 graphs sharded, 1 attention sites",
+    Row("ProphetNet (n-gram streams)", "ring"): "1 of 2 graphs sharded, 14 attention sites",
 }
 
 

@@ -20,7 +20,9 @@ silently wrong loss); and what scripts do around the model (probe_tasks.py): ran
 forward, the caller's tensors written in place or differentiated, Python reading values across graph
 breaks, Hugging Face task heads; and the sequence axis used as something other than positions
 (probe_sequence.py): parameters sized by it, two sequence axes, a CRF, returns-to-go, attention
-pooling, order statistics. Loss, every other
+pooling, order statistics; tokens routed, sampled, merged and recurred over (probe_routing.py): ToMe,
+Gumbel and multinomial draws, an STFT front, an LSTM, k nearest points, mixture-of-depths, log-space
+gates. Loss, every other
 output, every parameter's gradient, every buffer and the caller's tensors (and their gradients) are compared on every rank (probe_workers.differences). One pool of 2 gloo ranks for the file.
 The probes left out here to save time (Hugging Face models, unfold, index_add, ...) are in probe_models.
 """
