@@ -110,16 +110,14 @@ def test_checkpointed_hub_kernel_layers_stay_sequence_parallel(pool: SPMDPool, r
     assert out.kind == "exact" and "1 of 1 graphs sharded, 2 attention sites" in out.detail, out.cell()
 
 
-# Architectures beyond the matrix (hf_more.py, generic configs) -> what the exact row's report must say.
 # Encoder-decoders (16 source tokens, 12 target tokens): the source sequence sharded (BART's six
 # attentions through SDPA, T5's written out with its relative-position bias, kept as written), the
 # target's self-attention whole on every rank, cross-attention with each rank's query rows against the
 # memory whole.
+T5 = "T5 (relative position buckets)"
 ENCODER_DECODERS = {
     Row("BART", "ulysses"): "1 of 1 graphs sharded, 6 attention sites",
-    Row(
-        "T5 (relative position buckets)", "ring"
-    ): "1 of 1 graphs sharded, 4 attention sites, attention kept as written",
+    Row(T5, "ring"): "1 of 1 graphs sharded, 4 attention sites, attention kept as written",
 }
 
 
@@ -129,6 +127,7 @@ def test_encoder_decoders(pool: SPMDPool, row: Row) -> None:
     assert out.kind == "exact" and ENCODER_DECODERS[row] in out.detail, out.cell()
 
 
+# Architectures beyond the matrix (hf_more.py, generic configs) -> what the exact row's report must say.
 MORE_ROWS: dict[Row, str] = {
     Row("Qwen3-MoE", "ulysses"): "1 of 1 graphs sharded, 2 attention sites",
     Row("Gemma-3 (sliding window 8)", "ring"): "1 of 1 graphs sharded, 2 attention sites",
