@@ -53,14 +53,11 @@ def triangle_rule(ctx, node, args, kwargs):
 
 @rule(aten.cumsum.default)
 def cumsum_rule(ctx, node, args, kwargs):
+    unsplit = _unsplit_scan(ctx, node, args, kwargs)
+    if unsplit is not None:
+        return unsplit
     v, dim = args[0], normalize_dim(args[1], args[0].ndim)
     p = v.placement
-    if isinstance(p, Replicate):
-        return replicated(ctx, node, args, kwargs, p.axis)
-    if p.axis.dim != dim:
-        return SPValue(call(node, args, kwargs), p, node.meta["val"])
-    if not _scannable(v):
-        return fallback(ctx, node, args, kwargs)
     dtype = kwargs.get("dtype") or (args[2] if len(args) > 2 else None)
     x = v.local if dtype is None else v.local.to(dtype)
     out = _scan(
@@ -84,14 +81,11 @@ def logcumsumexp_rule(ctx, node, args, kwargs):
     its result ``-inf`` exactly where the whole scan's is; and a piece that is ``-inf`` throughout
     totals ``-inf`` with a zero gradient (``logsumexp``'s own would be NaN).
     """
+    unsplit = _unsplit_scan(ctx, node, args, kwargs)
+    if unsplit is not None:
+        return unsplit
     v, dim = args[0], normalize_dim(args[1], args[0].ndim)
     p = v.placement
-    if isinstance(p, Replicate):
-        return replicated(ctx, node, args, kwargs, p.axis)
-    if p.axis.dim != dim:
-        return SPValue(call(node, args, kwargs), p, node.meta["val"])
-    if not _scannable(v):
-        return fallback(ctx, node, args, kwargs)
 
     def total(t: torch.Tensor) -> torch.Tensor:
         empty = (t == -math.inf).all(dim, keepdim=True)
@@ -105,12 +99,20 @@ def logcumsumexp_rule(ctx, node, args, kwargs):
     return SPValue(out, p, node.meta["val"])
 
 
-def _scannable(v: SPValue) -> bool:
-    """Pieces of static bounds along a plain sequence dim, as many on every rank."""
+def _unsplit_scan(ctx: SPContext, node: torch.fx.Node, args: tuple, kwargs: dict) -> SPValue | None:
+    """A scan's result where it does not run across the ranks' pieces (whole, along another dim, or
+    pieces it cannot combine: symbolic bounds, a folded axis, counts that differ per rank); else None."""
+    v, dim = args[0], normalize_dim(args[1], args[0].ndim)
     p = v.placement
+    if isinstance(p, Replicate):
+        return replicated(ctx, node, args, kwargs, p.axis)
+    if p.axis.dim != dim:
+        return SPValue(call(node, args, kwargs), p, node.meta["val"])
     counts = {len(pieces) for pieces in p.ranges}
     static = all(isinstance(n, int) for pieces in p.ranges for span in pieces for n in span)
-    return static and p.axis.inner == 1 and p.axis.outer(v.gval.shape[p.axis.dim]) == 1 and len(counts) == 1
+    if not static or p.axis.inner != 1 or p.axis.outer(v.gval.shape[dim]) != 1 or len(counts) != 1:
+        return fallback(ctx, node, args, kwargs)
+    return None
 
 
 Scan = Callable[[torch.Tensor], torch.Tensor]
