@@ -80,6 +80,13 @@ def replicated(ctx: SPContext, node: torch.fx.Node, args: tuple, kwargs: dict, a
     return wrap(out, node.meta.get("val", out), lambda _i, _g: Replicate(axis))
 
 
+def linked_zeros(t: torch.Tensor) -> torch.Tensor:
+    """Zeros of ``t``'s shape that still depend on ``t``: a rank whose result holds nothing of a
+    collective's output still runs that collective's backward, as its peers do. ``masked_fill``, not
+    ``* 0``: an inf or nan in ``t`` must not leak through (nor into its gradient)."""
+    return t.masked_fill(torch.ones((), dtype=torch.bool, device=t.device), 0)
+
+
 def fallback(ctx: SPContext, node: torch.fx.Node, args: tuple, kwargs: dict) -> Any:
     """Gather every distributed input and run the op on whole values."""
     why = f"{node.name} ({node.target}) has no sharding rule for its inputs"
@@ -116,6 +123,7 @@ __all__ = [
     "call",
     "fallback",
     "is_elementwise",
+    "linked_zeros",
     "locals_of",
     "reduce_partials",
     "replicated",

@@ -17,7 +17,7 @@ from autosp.sharding import collectives as C
 from autosp.sharding.context import SPContext, SPValue
 from autosp.sharding.dims import normalize_dim
 from autosp.sharding.placement import Replicate, Shard
-from autosp.sharding.rules.base import call, fallback, replicated, rule
+from autosp.sharding.rules.base import call, fallback, linked_zeros, replicated, rule
 
 aten = torch.ops.aten
 
@@ -146,10 +146,8 @@ def _scan(
             out.append(scan(piece))
     result = torch.cat(out, dim)
     if not linked:
-        # The result must depend on the all-gather on every rank, or this one would skip its
-        # backward's collective and the others would wait for it. masked_fill, not ``* 0``: an inf
-        # or nan in another rank's totals must not leak in (nor into their gradient).
-        result = result + every.sum().masked_fill(torch.ones((), dtype=torch.bool, device=x.device), 0)
+        # Without it this rank would skip the all-gather's backward and its peers would wait for it.
+        result = result + linked_zeros(every.sum())
     return result
 
 

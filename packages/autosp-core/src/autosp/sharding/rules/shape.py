@@ -17,6 +17,7 @@ from autosp.sharding.rules.base import (
     call,
     declare,
     fallback,
+    linked_zeros,
     replicated,
     rule,
     seq_dim,
@@ -238,10 +239,8 @@ def select_rule(ctx, node, args, kwargs):
             out = v.local.select(dim, offset + index - lo)
         offset += hi - lo
     if out is None:
-        # Zeros that still depend on the input, so every rank runs the same backward collectives;
-        # masked_fill, not ``* 0``, so an inf or nan elsewhere in the shard cannot leak into the sum.
-        zero = v.local.sum(dim, dtype=v.local.dtype)
-        out = zero.masked_fill(torch.ones((), dtype=torch.bool, device=v.local.device), 0)
+        # The position is another rank's: zeros that still depend on this rank's piece.
+        out = linked_zeros(v.local.sum(dim, dtype=v.local.dtype))
     return SPValue(out, Partial(), node.meta["val"])
 
 
