@@ -19,6 +19,7 @@ from torch._guards import detect_fake_mode
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from autosp.context import CompileContext
+from autosp.discarded_outputs import drop_discarded
 from autosp.hardware_select import resolve as resolve_hardware
 from autosp.options import SPOptions
 from autosp.passes.collective_order import group_op_sequence, group_size_label, never_merged
@@ -243,7 +244,7 @@ def compile_graph(
                 **inductor_patches(),
             },
         )
-        return wrap_outputs(compiled, ctx.output_shards, group)
+        return wrap_outputs(drop_discarded(compiled, ctx.reach), ctx.output_shards, group)
 
     from torch._functorch.aot_autograd import make_boxed_func
 
@@ -265,7 +266,7 @@ def compile_graph(
         bw_compiler=stage_compiler(Stage.BACKWARD),
         partition_fn=partition,
     )
-    return wrap_outputs(compiled, ctx.output_shards, group)
+    return wrap_outputs(drop_discarded(compiled, ctx.reach), ctx.output_shards, group)
 
 
 def _record_group_ops(ctx: CompileContext, g: torch.fx.GraphModule) -> None:

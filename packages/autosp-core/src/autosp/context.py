@@ -8,6 +8,7 @@ from typing import Any, TypeVar
 import torch
 
 from autosp.analysis.attention import AttentionSite
+from autosp.discarded_outputs import Reach
 from autosp.hardware import HardwareProfile
 from autosp.options import SPOptions
 from autosp.registry import Registry
@@ -40,6 +41,7 @@ class CompileContext:
             without attention (after a graph break) shards its inputs of this length.
         num_fwd_outputs: outputs of the joint graph that belong to the forward (set before the joint stage).
         variant_state: what ``SPVariant.prepare`` returned for this compile (subgroups, tables).
+        reach: per output, the inputs its gradient reaches (``autosp.discarded_outputs``; set by ``autosp.lower``).
     """
 
     options: SPOptions
@@ -62,6 +64,7 @@ class CompileContext:
     output_shards: list[tuple[int, Any] | None] = field(default_factory=list)  # outputs="sharded": per output
     num_fwd_outputs: int | None = None
     variant_state: Any = None
+    reach: Reach | None = None
     group: Any = WeakGroup()  # held weakly: see autosp.weak_group
     _plugin_state: dict[type, Any] = field(default_factory=dict)
 

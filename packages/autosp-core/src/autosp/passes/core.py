@@ -18,6 +18,7 @@ from autosp.analysis.eager import (
 from autosp.analysis.source import user_line
 from autosp.canonical import canonical_order, lowered_code
 from autosp.context import CompileContext
+from autosp.discarded_outputs import reach
 from autosp.errors import AutoSPError
 from autosp.flex_mods import refuse_computed_captures, restore_mod_index
 from autosp.guards import AttentionNotSharded
@@ -403,6 +404,7 @@ def lower(gm: torch.fx.GraphModule, ctx: CompileContext) -> torch.fx.GraphModule
     # would gather their sharded inputs for nothing. Random ops count as live, so the RNG stream keeps.
     if aten_gm.graph.eliminate_dead_code():
         aten_gm.recompile()
+    ctx.reach = reach(aten_gm)  # the single-device program's, before any rewrite
     if not ctx.sp:  # lowered for a test or a tool: one rank has nothing to settle
         ctx.sites = find_attention_sites(aten_gm, _specs(ctx))
         return aten_gm
