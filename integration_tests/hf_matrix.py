@@ -231,8 +231,8 @@ def batch(row: Row) -> dict[str, torch.Tensor]:
         return _more().vision_batch(g)
     if row.model not in BUILDERS and row.model in _more().AUDIO:
         return _more().audio_batch(g)
-    if row.model == _more().QWEN2_VL:
-        return _more().qwen2_vl_batch(g)
+    if row.model in _more().MULTIMODAL:
+        return _more().MULTIMODAL[row.model][1](g)
     if row.model not in BUILDERS and row.model in _more().SEQ2SEQ:
         return _more().seq2seq_batch(g)
     seq = row.seq

@@ -10,8 +10,10 @@ Beyond decoder LMs and BERT-likes: encoders whose attention gathers relative pos
 the sequence (DeBERTa, Funnel, BigBird, Longformer, CANINE, XLNet), state-space and recurrent LMs and
 their hybrids with attention (Mamba, RWKV, Jamba, Bamba, Qwen3-Next), speech classifiers fed raw
 waveforms (Wav2Vec2, HuBERT, WavLM, SEW), vision models whose token grid is windowed or reduced
-inside (Swin, SegFormer, PVT), and encoder-decoders (T5, BART and their kin). Where a family's fields differ from the generic sizes they are written
-out (``_OVERRIDES``, ``_AUDIO``, ``_LAYER_KINDS``).
+inside (Swin, SegFormer, PVT), encoder-decoders (T5, BART and their kin), and vision-language models
+whose image tokens the model places in the text (``MULTIMODAL``: Qwen2-VL, LLaVA, PaliGemma, Gemma-3,
+Mistral-3). Where a family's fields differ from the generic sizes they are written out
+(``_OVERRIDES``, ``_AUDIO``, ``_LAYER_KINDS``).
 """
 
 from __future__ import annotations
@@ -363,8 +365,144 @@ def qwen2_vl_batch(generator: torch.Generator) -> dict[str, torch.Tensor]:
     }
 
 
+VLM_VOCAB = 160
+IMAGE_TOKEN = 150
+VLM_IMAGE = 8  # pixels a side, 4 x 4 patches: 4 image tokens in the text
+
+
+def _vision_tower(kind: str, layers: int) -> Any:
+    import transformers as t
+
+    sizes = dict(hidden_size=hm.HIDDEN, intermediate_size=2 * hm.HIDDEN, num_hidden_layers=layers)
+    sizes.update(num_attention_heads=hm.HEADS, image_size=VLM_IMAGE, patch_size=VLM_IMAGE // 2)
+    return t.CLIPVisionConfig(**sizes) if kind == "clip" else t.SiglipVisionConfig(**sizes)
+
+
+def _text(config_class: str) -> Any:
+    import transformers as t
+
+    sizes = dict(_SIZES, num_key_value_heads=hm.KV_HEADS, head_dim=hm.HIDDEN // hm.HEADS, vocab_size=VLM_VOCAB)
+    return getattr(t, config_class)(**sizes)
+
+
+def _llava() -> Any:
+    """LLaVA: a CLIP tower's patch features (its last layer's input: vision_feature_layer=-2, read from
+    the hidden states transformers captures by hooks it registers on the first call) projected into a
+    Llama's text at its image tokens."""
+    import transformers as t
+
+    cfg = t.LlavaConfig(
+        vision_config=_vision_tower("clip", 2), text_config=_text("LlamaConfig"), image_token_index=IMAGE_TOKEN
+    )
+    cfg.image_seq_length = 4
+    cfg._attn_implementation = "sdpa"
+    return t.LlavaForConditionalGeneration(cfg)
+
+
+def _paligemma() -> Any:
+    """PaliGemma: a SigLIP tower's tokens as a prefix that attends both ways with the prompt (a prefix-LM
+    mask from ``token_type_ids``), the answer causally."""
+    import transformers as t
+
+    cfg = t.PaliGemmaConfig(
+        vision_config=_vision_tower("siglip", 1),
+        text_config=_text("GemmaConfig"),
+        image_token_index=IMAGE_TOKEN,
+        vocab_size=VLM_VOCAB,
+        projection_dim=hm.HIDDEN,
+        hidden_size=hm.HIDDEN,
+    )
+    cfg.text_config.num_image_tokens = cfg.vision_config.num_image_tokens = 4
+    cfg._attn_implementation = "sdpa"
+    return t.PaliGemmaForConditionalGeneration(cfg)
+
+
+def _gemma3() -> Any:
+    """Gemma-3 with images: a SigLIP tower's 16 patches average-pooled into 4 tokens, which attend to each
+    other both ways inside the causal text (``token_type_ids``)."""
+    import transformers as t
+
+    vision = _vision_tower("siglip", 1)
+    vision.image_size = 2 * VLM_IMAGE  # 4 x 4 patches, pooled 2 x 2
+    text = _text("Gemma3TextConfig")
+    text.layer_types = ["sliding_attention", "full_attention"]
+    text.sliding_window = hm.WINDOW
+    cfg = t.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=IMAGE_TOKEN)
+    cfg.boi_token_index, cfg.eoi_token_index = IMAGE_TOKEN + 1, IMAGE_TOKEN + 2
+    cfg._attn_implementation = "sdpa"
+    return t.Gemma3ForConditionalGeneration(cfg)
+
+
+def _mistral3() -> Any:
+    """Mistral-3: a Pixtral tower (2-D rotary positions over the patch grid) whose 4 x 4 patches are
+    merged 2 x 2 into 4 tokens, in a Mistral's text."""
+    import transformers as t
+
+    vision = t.PixtralVisionConfig(
+        hidden_size=hm.HIDDEN,
+        intermediate_size=2 * hm.HIDDEN,
+        num_hidden_layers=1,
+        num_attention_heads=hm.HEADS,
+        head_dim=hm.HIDDEN // hm.HEADS,
+        image_size=2 * VLM_IMAGE,
+        patch_size=VLM_IMAGE // 2,
+    )
+    cfg = t.Mistral3Config(
+        vision_config=vision, text_config=_text("MistralConfig"), image_token_index=IMAGE_TOKEN, spatial_merge_size=2
+    )
+    cfg.vision_feature_layer = -1
+    cfg._attn_implementation = "sdpa"
+    return t.Mistral3ForConditionalGeneration(cfg)
+
+
+def gemma3_batch(generator: torch.Generator) -> dict[str, torch.Tensor]:
+    batch = llava_batch(generator)
+    batch["pixel_values"] = torch.randn(hm.BATCH, 3, 2 * VLM_IMAGE, 2 * VLM_IMAGE, generator=generator)
+    batch["token_type_ids"] = (batch["input_ids"] == IMAGE_TOKEN).long()
+    return batch
+
+
+def mistral3_batch(generator: torch.Generator) -> dict[str, torch.Tensor]:
+    batch = gemma3_batch(generator)
+    del batch["token_type_ids"]
+    batch["image_sizes"] = torch.tensor([[2 * VLM_IMAGE, 2 * VLM_IMAGE]] * hm.BATCH)
+    return batch
+
+
+def llava_batch(generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """An 8 x 8 image per row, its 4 tokens after a first text token, in 16 tokens; the image's tokens
+    are not trained on."""
+    ids = torch.randint(1, IMAGE_TOKEN - 10, (hm.BATCH, hm.SEQ), generator=generator)
+    ids[:, 1:5] = IMAGE_TOKEN
+    pixels = torch.randn(hm.BATCH, 3, VLM_IMAGE, VLM_IMAGE, generator=generator)
+    return {"input_ids": ids, "pixel_values": pixels, "labels": ids.masked_fill(ids == IMAGE_TOKEN, -100)}
+
+
+def paligemma_batch(generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """The image's 4 tokens first, a prompt of 6 tokens (both seen both ways, not trained on), then an
+    answer of 6 that is trained on, as PaliGemma's processor lays them out."""
+    ids = torch.randint(1, IMAGE_TOKEN - 10, (hm.BATCH, hm.SEQ), generator=generator)
+    ids[:, :4] = IMAGE_TOKEN
+    token_type_ids = torch.zeros_like(ids)
+    token_type_ids[:, 10:] = 1  # the answer (suffix)
+    labels = ids.masked_fill(token_type_ids == 0, -100)
+    pixels = torch.randn(hm.BATCH, 3, VLM_IMAGE, VLM_IMAGE, generator=generator)
+    return {"input_ids": ids, "pixel_values": pixels, "token_type_ids": token_type_ids, "labels": labels}
+
+
+LLAVA = "LLaVA (CLIP features from the second-to-last layer into Llama's text)"
+PALIGEMMA = "PaliGemma (SigLIP prefix, prefix-LM mask from token_type_ids)"
+# Vision-language models, with their batches: an image's tokens placed in the text by the model.
+MULTIMODAL: dict[str, tuple[Callable[[], Any], Callable[[torch.Generator], dict[str, torch.Tensor]]]] = {
+    QWEN2_VL: (_qwen2_vl, qwen2_vl_batch),
+    LLAVA: (_llava, llava_batch),
+    PALIGEMMA: (_paligemma, paligemma_batch),
+    "Gemma-3 with images (pooled SigLIP tokens seen both ways)": (_gemma3, gemma3_batch),
+    "Mistral-3 (Pixtral tower, 2-D rotary, merged patches)": (_mistral3, mistral3_batch),
+}
+
 BUILDERS: dict[str, Callable[[], Any]] = {name: _builder(*spec) for name, spec in ARCHITECTURES.items()}
-BUILDERS[QWEN2_VL] = _qwen2_vl
+BUILDERS.update({name: build for name, (build, _) in MULTIMODAL.items()})
 CLASSIFIERS = {name for name, (_, _, task) in ARCHITECTURES.items() if task == "classify"}
 VISION = {name for name, (_, _, task) in ARCHITECTURES.items() if task == "vision"}
 AUDIO = {name for name, (_, _, task) in ARCHITECTURES.items() if task == "audio"}
@@ -436,8 +574,19 @@ NO_CHECKPOINTING = frozenset({"ALBERT classifier"})
 def more_rows(variants: tuple[str, ...] = ("ulysses", "ring"), checkpointing: bool = False) -> list[hm.Row]:
     """Every architecture above, fp32 training, under each variant (``checkpointing``: HF's
     ``gradient_checkpointing_enable()`` on each)."""
-    names = [n for n in [*ARCHITECTURES, QWEN2_VL] if not (checkpointing and n in NO_CHECKPOINTING)]
+    names = [n for n in [*ARCHITECTURES, *MULTIMODAL] if not (checkpointing and n in NO_CHECKPOINTING)]
     return [hm.Row(name, v, checkpointing) for name in names for v in variants]
 
 
-__all__ = ["ARCHITECTURES", "AUDIO", "BUILDERS", "CLASSIFIERS", "QWEN2_VL", "SEQ2SEQ", "VISION", "config", "more_rows"]
+__all__ = [
+    "ARCHITECTURES",
+    "AUDIO",
+    "BUILDERS",
+    "CLASSIFIERS",
+    "MULTIMODAL",
+    "QWEN2_VL",
+    "SEQ2SEQ",
+    "VISION",
+    "config",
+    "more_rows",
+]

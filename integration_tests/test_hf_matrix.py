@@ -127,6 +127,26 @@ def test_encoder_decoders(pool: SPMDPool, row: Row) -> None:
     assert out.kind == "exact" and ENCODER_DECODERS[row] in out.detail, out.cell()
 
 
+# Vision-language models: an image's tokens placed in the text by the model. LLaVA's first call installs
+# transformers' output-capturing hooks under a lock (a break) and binds its forward's signature by
+# inspect, whose values view the resumed frames take as an input: Dynamo 2.13 crashed building its
+# guards (autosp.dynamo_fixes). PaliGemma's prefix is seen both ways, its answer causally.
+VISION_LANGUAGE = {
+    Row("LLaVA (CLIP features from the second-to-last layer into Llama's text)", "ulysses"): (
+        "4 of 5 graphs sharded, 4 attention sites"
+    ),
+    Row("PaliGemma (SigLIP prefix, prefix-LM mask from token_type_ids)", "ring"): (
+        "2 of 2 graphs sharded, 3 attention sites"
+    ),
+}
+
+
+@pytest.mark.parametrize("row", list(VISION_LANGUAGE), ids=["llava-ulysses", "paligemma-ring"])
+def test_vision_language_models(pool: SPMDPool, row: Row) -> None:
+    out = check_row(pool, row, timeout_s=600.0)
+    assert out.kind == "exact" and VISION_LANGUAGE[row] in out.detail, out.cell()
+
+
 # Architectures beyond the matrix (hf_more.py, generic configs) -> what the exact row's report must say.
 MORE_ROWS: dict[Row, str] = {
     Row("Qwen3-MoE", "ulysses"): "1 of 1 graphs sharded, 2 attention sites",
@@ -169,6 +189,12 @@ MORE_ROWS: dict[Row, str] = {
     Row("DeiT (distillation token)", "ring"): "1 of 1 graphs sharded, 2 attention sites",
     Row("SwitchTransformers (T5 with top-1 experts)", "ulysses"): "17 of 17 graphs sharded, 1 attention sites",
     Row("ProphetNet (n-gram streams)", "ring"): "1 of 2 graphs sharded, 14 attention sites",
+    # Pixtral slices each image's patches by a tensor size in a list comprehension, a break: Dynamo 2.13
+    # resumed it without the comprehension's iterator and crashed (autosp.dynamo_fixes).
+    Row("Mistral-3 (Pixtral tower, 2-D rotary, merged patches)", "ring"): "13 of 17 graphs sharded, 3 attention sites",
+    Row("Gemma-3 with images (pooled SigLIP tokens seen both ways)", "ulysses"): (
+        "2 of 2 graphs sharded, 3 attention sites"
+    ),
 }
 
 

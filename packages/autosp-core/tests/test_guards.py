@@ -5,6 +5,7 @@ The multi-rank behaviour (the check's collective, timeouts) is in integration_te
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 import logging
@@ -371,6 +372,74 @@ def test_a_module_hook_registered_inside_the_call_runs_as_in_eager(register):
     model.handle.remove()  # the handle holds the child's own dict
     ref.handle.remove()
     torch.testing.assert_close(call(x), ref(x))
+    torch._dynamo.reset()
+
+
+class _ValuesAcrossBreaks(torch.nn.Module):
+    """Holds an ``OrderedDict``'s values view across graph breaks: the resumed frames take it as an input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scales = collections.OrderedDict(a=torch.tensor(2.0), b=torch.tensor(3.0))
+
+    def forward(self, x):
+        scales = self.scales.values()
+        x = x + 1
+        torch._dynamo.graph_break()
+        return self._nested(x, scales)
+
+    def _nested(self, x, scales):
+        x = x * 2
+        torch._dynamo.graph_break()  # nested: the resumed frame of forward's callee holds the view too
+        for s in scales:
+            x = x * s
+        return x
+
+
+def test_an_ordered_dicts_values_view_held_across_a_graph_break_runs_as_in_eager():
+    # Dynamo 2.13 guarded the view's items as view[i]: "'odict_values' object is not subscriptable",
+    # an InternalTorchDynamoError (autosp.dynamo_fixes). Transformers' signature binding holds one.
+    runs = GraphRuns()
+    model = _ValuesAcrossBreaks()
+    x = torch.randn(3)
+    torch._dynamo.reset()
+    call = GuardedCall(torch.compile(model, backend=lambda gm, ex: runs.wrap(gm.forward)), model, None, None, runs)
+    for _ in range(2):
+        torch.testing.assert_close(call(x), (x + 1) * 2 * 6)
+    torch._dynamo.reset()
+
+
+class _SlicesInAComprehension(torch.nn.Module):
+    """Pixtral's form: each row sliced by a size held in a tensor (a break), in a list comprehension."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+
+    def forward(self, x, sizes):
+        h = self.lin(x)
+        return torch.cat([row[..., : (n[0] // 1)] for row, n in zip(h, sizes)]).sum()
+
+
+class _CallsTheComprehension(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _SlicesInAComprehension()
+
+    def forward(self, x, sizes):
+        return self.inner(x * 2, sizes) + 1  # the comprehension's function inlined two calls deep
+
+
+def test_a_graph_break_inside_a_comprehension_runs_as_in_eager():
+    # Dynamo 2.13 with nested breaks resumed the break inside <listcomp> without its iterator:
+    # "cannot access local variable '.0'" (autosp.dynamo_fixes). Mistral-3's Pixtral tower crashed so.
+    runs = GraphRuns()
+    model = _CallsTheComprehension()
+    x, sizes = torch.randn(2, 3), torch.tensor([[2, 2], [3, 3]])
+    torch._dynamo.reset()
+    call = GuardedCall(torch.compile(model, backend=lambda gm, ex: runs.wrap(gm.forward)), model, None, None, runs)
+    for _ in range(2):
+        torch.testing.assert_close(call(x, sizes), model(x, sizes))
     torch._dynamo.reset()
 
 

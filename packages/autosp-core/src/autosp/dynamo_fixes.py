@@ -1,22 +1,40 @@
-"""A Dynamo fix that AutoSP's nested graph breaks need and torch 2.13 lacks.
+"""Three Dynamo fixes that AutoSP's programs need and torch 2.13 lacks; ``install`` applies them.
 
-AutoSP turns on Dynamo's nested graph breaks (``guards._hard_dynamo_failures``). In torch 2.13,
-Dynamo reads a module's empty hook dict (``_forward_hooks`` and its kin) as a fresh dict that
-names no source. A module hook registered inside the compiled call then breaks the graph inside
-``RemovableHandle.__init__``, and the resumed code is handed that fresh dict instead of the
+**Module hook dicts.** AutoSP turns on Dynamo's nested graph breaks (``guards._hard_dynamo_failures``).
+In torch 2.13, Dynamo reads a module's empty hook dict (``_forward_hooks`` and its kin) as a fresh
+dict that names no source. A module hook registered inside the compiled call then breaks the graph
+inside ``RemovableHandle.__init__``, and the resumed code is handed that fresh dict instead of the
 module's own: ``weakref.ref`` of a plain dict raises ``TypeError: cannot create weak reference to
 'dict' object``. Transformers 5 registers its output-capturing hooks so on the first call of a
 model asked for ``output_hidden_states`` or ``output_attentions`` (Wav2Vec2's classifiers ask by
-default): plain ``torch.compile`` ran them, AutoSP crashed.
+default): plain ``torch.compile`` ran them, AutoSP crashed. Upstream fixed it by giving that dict
+its attribute source (pytorch/pytorch#191388): resumed code then loads the module's own dict, so the
+hook is registered where eager registers it and its handle removes it. ``install`` does the same on
+releases without the fix, and nothing where the dict already has a source.
 
-Upstream fixed it by giving that dict its attribute source (pytorch/pytorch#191388): resumed code
-then loads the module's own dict, so the hook is registered where eager registers it and its
-handle removes it. ``install`` does the same on releases without the fix, and nothing where the
-dict already has a source.
+**An ``OrderedDict``'s values view as a frame's input.** Dynamo takes ``od.values()`` for a list and
+guards its items as ``view[i]``, which a view does not support: building the guards raised
+``InternalTorchDynamoError: 'odict_values' object is not subscriptable``, for plain ``torch.compile``
+too (a function given ``od.values()``). Nested graph breaks make such views frame inputs in ordinary
+programs: a break in code that holds one (``inspect.Signature.bind`` iterates
+``parameters.values()``; transformers 5 binds its decorated forwards so, and installs its
+output-capturing hooks under a lock, a break, on the first call) resumes in a frame whose inputs
+include the view. LLaVA crashed so on its first call. ``install`` makes such a view a graph break
+where the frame reads it: that part of the frame runs in eager, which works on a view; the view
+never reaches the guards.
+
+**A graph break inside a comprehension.** Before Python 3.12 a comprehension is a function of its own
+(``<listcomp>``), whose iterator is the local ``.0``. With nested graph breaks Dynamo resumed a break
+inside one in a frame without that local: ``UnboundLocalError: cannot access local variable '.0'``
+when the resumed code ran. Pixtral's vision tower (Mistral-3) slices each image's patches by a
+tensor size in a list comprehension, a break; it crashed so. ``install`` lets no comprehension hold
+a nested break before 3.12: the break falls to the call of the comprehension in the enclosing
+function, which resumes after it, as for any call Dynamo cannot inline; the comprehension runs in eager.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 _HOOK_DICTS = frozenset(
@@ -33,11 +51,17 @@ _installed = False
 
 
 def install() -> None:
-    """Give Dynamo's empty module hook dicts their attribute source (once per process)."""
+    """The three fixes, once per process."""
     global _installed
     if _installed:
         return
     _installed = True
+    _source_hook_dicts()
+    _break_at_values_views()
+    _no_nested_breaks_in_comprehensions()
+
+
+def _source_hook_dicts() -> None:
     try:
         from torch._dynamo.source import AttrSource
         from torch._dynamo.variables import ConstDictVariable
@@ -59,6 +83,53 @@ def install() -> None:
         return vt
 
     UnspecializedNNModuleVariable.var_getattr = var_getattr  # type: ignore[method-assign]
+
+
+def _break_at_values_views() -> None:
+    try:
+        from torch._dynamo.exc import unimplemented
+        from torch._dynamo.utils import odict_values
+        from torch._dynamo.variables.builder import VariableBuilder
+    except ImportError:
+        return
+    wrap = VariableBuilder.wrap_listlike
+
+    def wrap_listlike(self: Any, value: Any) -> Any:
+        if type(value) is odict_values:
+            unimplemented(
+                gb_type="OrderedDict values view as an input (autosp.dynamo_fixes)",
+                context=repr(self.source),
+                explanation="Dynamo would guard the view's items by index, which a values view does not support",
+                hints=["Pass list(od.values()) instead of the view"],
+            )
+        return wrap(self, value)
+
+    VariableBuilder.wrap_listlike = wrap_listlike  # type: ignore[method-assign]
+
+
+_COMPREHENSIONS = frozenset({"<listcomp>", "<dictcomp>", "<setcomp>", "<genexpr>"})
+
+
+def _no_nested_breaks_in_comprehensions() -> None:
+    if sys.version_info >= (3, 12):  # comprehensions run inside their function's frame (PEP 709)
+        return
+    try:
+        from torch._dynamo.variables.functions import BaseUserFunctionVariable, UserFunctionVariable
+    except ImportError:
+        return
+    for cls in (BaseUserFunctionVariable, UserFunctionVariable):
+        allowed = cls.__dict__.get("should_allow_nested_graph_breaks")
+        if allowed is None:
+            continue
+
+        def should_allow_nested_graph_breaks(self: Any, allowed: Any = allowed) -> bool:
+            try:
+                name = self.get_code().co_name
+            except Exception:  # noqa: BLE001 - a function variable without code: as torch decides
+                return allowed(self)
+            return name not in _COMPREHENSIONS and allowed(self)
+
+        cls.should_allow_nested_graph_breaks = should_allow_nested_graph_breaks  # type: ignore[method-assign]
 
 
 __all__ = ["install"]
