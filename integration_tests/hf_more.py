@@ -12,7 +12,7 @@ their hybrids with attention (Mamba, RWKV, Jamba, Bamba, Qwen3-Next), speech cla
 waveforms (Wav2Vec2, HuBERT, WavLM, SEW), vision models whose token grid is windowed or reduced
 inside (Swin, SegFormer, PVT), encoder-decoders (T5, BART and their kin), and vision-language models
 whose image tokens the model places in the text (``MULTIMODAL``: Qwen2-VL, LLaVA, PaliGemma, Gemma-3,
-Mistral-3). Where a family's fields differ from the generic sizes they are written out
+Mistral-3, Idefics3, InternVL). Where a family's fields differ from the generic sizes they are written out
 (``_OVERRIDES``, ``_AUDIO``, ``_LAYER_KINDS``).
 """
 
@@ -455,6 +455,61 @@ def _mistral3() -> Any:
     return t.Mistral3ForConditionalGeneration(cfg)
 
 
+def _idefics3() -> Any:
+    """Idefics3 (SmolVLM's base): a SigLIP-like tower's 4 x 4 patches pixel-shuffled by 2 into 4 tokens."""
+    import transformers as t
+
+    vision = t.Idefics3VisionConfig(
+        hidden_size=hm.HIDDEN,
+        intermediate_size=2 * hm.HIDDEN,
+        num_hidden_layers=1,
+        num_attention_heads=hm.HEADS,
+        image_size=2 * VLM_IMAGE,
+        patch_size=VLM_IMAGE // 2,
+    )
+    cfg = t.Idefics3Config(
+        vision_config=vision, text_config=_text("LlamaConfig"), image_token_id=IMAGE_TOKEN, scale_factor=2
+    )
+    cfg._attn_implementation = "sdpa"
+    return t.Idefics3ForConditionalGeneration(cfg)
+
+
+def _internvl() -> Any:
+    """InternVL: an InternViT tower (layer scale, [CLS] dropped) pixel-shuffled by 2 into 4 tokens, in a
+    Qwen2's text."""
+    import transformers as t
+
+    vision = t.InternVLVisionConfig(
+        hidden_size=hm.HIDDEN,
+        intermediate_size=2 * hm.HIDDEN,
+        num_hidden_layers=1,
+        num_attention_heads=hm.HEADS,
+        image_size=[2 * VLM_IMAGE] * 2,
+        patch_size=[VLM_IMAGE // 2] * 2,
+    )
+    cfg = t.InternVLConfig(
+        vision_config=vision,
+        text_config=_text("Qwen2Config"),
+        image_token_id=IMAGE_TOKEN,
+        image_seq_length=4,
+        vision_feature_layer=-1,
+    )
+    cfg._attn_implementation = "sdpa"
+    return t.InternVLForConditionalGeneration(cfg)
+
+
+def idefics3_batch(generator: torch.Generator) -> dict[str, torch.Tensor]:
+    batch = llava_batch(generator)
+    batch["pixel_values"] = torch.randn(hm.BATCH, 1, 3, 2 * VLM_IMAGE, 2 * VLM_IMAGE, generator=generator)
+    return batch
+
+
+def internvl_batch(generator: torch.Generator) -> dict[str, torch.Tensor]:
+    batch = llava_batch(generator)
+    batch["pixel_values"] = torch.randn(hm.BATCH, 3, 2 * VLM_IMAGE, 2 * VLM_IMAGE, generator=generator)
+    return batch
+
+
 def gemma3_batch(generator: torch.Generator) -> dict[str, torch.Tensor]:
     batch = llava_batch(generator)
     batch["pixel_values"] = torch.randn(hm.BATCH, 3, 2 * VLM_IMAGE, 2 * VLM_IMAGE, generator=generator)
@@ -499,6 +554,8 @@ MULTIMODAL: dict[str, tuple[Callable[[], Any], Callable[[torch.Generator], dict[
     PALIGEMMA: (_paligemma, paligemma_batch),
     "Gemma-3 with images (pooled SigLIP tokens seen both ways)": (_gemma3, gemma3_batch),
     "Mistral-3 (Pixtral tower, 2-D rotary, merged patches)": (_mistral3, mistral3_batch),
+    "Idefics3 (pixel-shuffled SigLIP tokens)": (_idefics3, idefics3_batch),
+    "InternVL (InternViT, pixel-shuffled, Qwen2 text)": (_internvl, internvl_batch),
 }
 
 BUILDERS: dict[str, Callable[[], Any]] = {name: _builder(*spec) for name, spec in ARCHITECTURES.items()}
