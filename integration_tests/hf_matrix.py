@@ -258,7 +258,9 @@ def _step(model: Any, inputs: dict[str, torch.Tensor], mode: Mode) -> dict[str, 
         else:
             out = model(**inputs)
     # The logits are a sequence-shaped output (a classifier's are [B, classes]): whole on every rank, by contract.
-    result = {"loss": out.loss.detach().float(), "logits": out.logits.detach().float(), "grads": {}}
+    # CLIP and SigLIP score images against captions: logits_per_image.
+    logits = out.logits if "logits" in out else out.logits_per_image
+    result = {"loss": out.loss.detach().float(), "logits": logits.detach().float(), "grads": {}}
     if mode != "eval":
         out.loss.backward()
         params = model._orig_mod if hasattr(model, "_orig_mod") else model

@@ -12,7 +12,7 @@ their hybrids with attention (Mamba, RWKV, Jamba, Bamba, Qwen3-Next), speech cla
 waveforms (Wav2Vec2, HuBERT, WavLM, SEW), vision models whose token grid is windowed or reduced
 inside (Swin, SegFormer, PVT), encoder-decoders (T5, BART and their kin), and vision-language models
 whose image tokens the model places in the text (``MULTIMODAL``: Qwen2-VL, LLaVA, PaliGemma, Gemma-3,
-Mistral-3, Idefics3, InternVL). Where a family's fields differ from the generic sizes they are written out
+Mistral-3, Idefics3, InternVL; and CLIP and SigLIP, a text and an image tower against each other). Where a family's fields differ from the generic sizes they are written out
 (``_OVERRIDES``, ``_AUDIO``, ``_LAYER_KINDS``).
 """
 
@@ -510,6 +510,42 @@ def internvl_batch(generator: torch.Generator) -> dict[str, torch.Tensor]:
     return batch
 
 
+def _contrastive(kind: str) -> Callable[[], Any]:
+    """CLIP or SigLIP: a text tower and a vision tower, each pooled, against each other by a contrastive
+    loss over the batch (softmax for CLIP, pairwise sigmoid for SigLIP)."""
+
+    def build() -> Any:
+        import transformers as t
+
+        text = dict(
+            vocab_size=hm.VOCAB,
+            hidden_size=hm.HIDDEN,
+            intermediate_size=2 * hm.HIDDEN,
+            num_hidden_layers=1,
+            num_attention_heads=hm.HEADS,
+            max_position_embeddings=64,
+        )
+        vision = _vision_tower(kind, 1)
+        vision.image_size = 2 * VLM_IMAGE
+        if kind == "clip":
+            cfg = t.CLIPConfig(text_config=t.CLIPTextConfig(**text), vision_config=vision, projection_dim=hm.HIDDEN)
+            cfg._attn_implementation = "sdpa"
+            return t.CLIPModel(cfg)
+        cfg = t.SiglipConfig(text_config=t.SiglipTextConfig(**text), vision_config=vision)
+        cfg._attn_implementation = "sdpa"
+        return t.SiglipModel(cfg)
+
+    return build
+
+
+def contrastive_batch(generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """Captions of 16 tokens (the last one CLIP's end-of-text, pooled) and 16 x 16 images."""
+    ids = torch.randint(1, hm.VOCAB - 1, (hm.BATCH, hm.SEQ), generator=generator)
+    ids[:, -1] = hm.VOCAB - 1
+    pixels = torch.randn(hm.BATCH, 3, 2 * VLM_IMAGE, 2 * VLM_IMAGE, generator=generator)
+    return {"input_ids": ids, "pixel_values": pixels, "return_loss": True}
+
+
 def gemma3_batch(generator: torch.Generator) -> dict[str, torch.Tensor]:
     batch = llava_batch(generator)
     batch["pixel_values"] = torch.randn(hm.BATCH, 3, 2 * VLM_IMAGE, 2 * VLM_IMAGE, generator=generator)
@@ -556,6 +592,8 @@ MULTIMODAL: dict[str, tuple[Callable[[], Any], Callable[[torch.Generator], dict[
     "Mistral-3 (Pixtral tower, 2-D rotary, merged patches)": (_mistral3, mistral3_batch),
     "Idefics3 (pixel-shuffled SigLIP tokens)": (_idefics3, idefics3_batch),
     "InternVL (InternViT, pixel-shuffled, Qwen2 text)": (_internvl, internvl_batch),
+    "CLIP (text and image towers, contrastive loss over the batch)": (_contrastive("clip"), contrastive_batch),
+    "SigLIP (text and image towers, sigmoid loss over pairs)": (_contrastive("siglip"), contrastive_batch),
 }
 
 BUILDERS: dict[str, Callable[[], Any]] = {name: _builder(*spec) for name, spec in ARCHITECTURES.items()}

@@ -195,6 +195,10 @@ MORE_ROWS: dict[Row, str] = {
     Row("Gemma-3 with images (pooled SigLIP tokens seen both ways)", "ulysses"): (
         "2 of 2 graphs sharded, 3 attention sites"
     ),
+    # Two towers of 16 and 17 tokens in one graph, each sharded, pooled into a loss over the batch.
+    Row("CLIP (text and image towers, contrastive loss over the batch)", "ring"): (
+        "1 of 1 graphs sharded, 2 attention sites, uneven pieces"
+    ),
 }
 
 
