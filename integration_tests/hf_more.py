@@ -10,9 +10,10 @@ Beyond decoder LMs and BERT-likes: encoders whose attention gathers relative pos
 the sequence (DeBERTa, Funnel, BigBird, Longformer, CANINE, XLNet), state-space and recurrent LMs and
 their hybrids with attention (Mamba, RWKV, Jamba, Bamba, Qwen3-Next), speech classifiers fed raw
 waveforms (Wav2Vec2, HuBERT, WavLM, SEW), vision models whose token grid is windowed or reduced
-inside (Swin, SegFormer, PVT), encoder-decoders (T5, BART and their kin), and vision-language models
-whose image tokens the model places in the text (``MULTIMODAL``: Qwen2-VL, LLaVA, PaliGemma, Gemma-3,
-Mistral-3, Idefics3, InternVL; and CLIP and SigLIP, a text and an image tower against each other). Where a family's fields differ from the generic sizes they are written out
+inside (Swin, SegFormer, PVT), encoder-decoders (T5, BART and their kin), and models written out by
+hand with their own batches (``MULTIMODAL``): vision-language models whose image tokens the model
+places in the text (Qwen2-VL, LLaVA, PaliGemma, Gemma-3, Mistral-3, Idefics3, InternVL), CLIP and
+SigLIP (a text and an image tower against each other) and Whisper (speech to text). Where a family's fields differ from the generic sizes they are written out
 (``_OVERRIDES``, ``_AUDIO``, ``_LAYER_KINDS``).
 """
 
@@ -546,6 +547,37 @@ def contrastive_batch(generator: torch.Generator) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "pixel_values": pixels, "return_loss": True}
 
 
+def _whisper() -> Any:
+    """Whisper: 32 frames of 8 mel bins, halved by a strided conv into 16 encoder tokens; a decoder
+    cross-attends to them."""
+    import transformers as t
+
+    cfg = t.WhisperConfig(
+        vocab_size=hm.VOCAB,
+        num_mel_bins=8,
+        d_model=hm.HIDDEN,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=hm.HEADS,
+        decoder_attention_heads=hm.HEADS,
+        encoder_ffn_dim=2 * hm.HIDDEN,
+        decoder_ffn_dim=2 * hm.HIDDEN,
+        max_source_positions=hm.SEQ,
+        max_target_positions=32,
+        pad_token_id=0,
+        decoder_start_token_id=1,
+        use_cache=False,
+    )
+    cfg._attn_implementation = "sdpa"
+    return t.WhisperForConditionalGeneration(cfg)
+
+
+def whisper_batch(generator: torch.Generator) -> dict[str, torch.Tensor]:
+    labels = torch.randint(3, hm.VOCAB, (hm.BATCH, TARGET), generator=generator)
+    labels[1, :2] = -100
+    return {"input_features": torch.randn(hm.BATCH, 8, 2 * hm.SEQ, generator=generator), "labels": labels}
+
+
 def gemma3_batch(generator: torch.Generator) -> dict[str, torch.Tensor]:
     batch = llava_batch(generator)
     batch["pixel_values"] = torch.randn(hm.BATCH, 3, 2 * VLM_IMAGE, 2 * VLM_IMAGE, generator=generator)
@@ -583,7 +615,8 @@ def paligemma_batch(generator: torch.Generator) -> dict[str, torch.Tensor]:
 
 LLAVA = "LLaVA (CLIP features from the second-to-last layer into Llama's text)"
 PALIGEMMA = "PaliGemma (SigLIP prefix, prefix-LM mask from token_type_ids)"
-# Vision-language models, with their batches: an image's tokens placed in the text by the model.
+# Written out with their own batches: vision-language models (an image's tokens placed in the text by
+# the model), two-tower contrastive models, speech to text.
 MULTIMODAL: dict[str, tuple[Callable[[], Any], Callable[[torch.Generator], dict[str, torch.Tensor]]]] = {
     QWEN2_VL: (_qwen2_vl, qwen2_vl_batch),
     LLAVA: (_llava, llava_batch),
@@ -594,6 +627,7 @@ MULTIMODAL: dict[str, tuple[Callable[[], Any], Callable[[torch.Generator], dict[
     "InternVL (InternViT, pixel-shuffled, Qwen2 text)": (_internvl, internvl_batch),
     "CLIP (text and image towers, contrastive loss over the batch)": (_contrastive("clip"), contrastive_batch),
     "SigLIP (text and image towers, sigmoid loss over pairs)": (_contrastive("siglip"), contrastive_batch),
+    "Whisper (mel frames halved by a strided conv, a decoder cross-attending)": (_whisper, whisper_batch),
 }
 
 BUILDERS: dict[str, Callable[[], Any]] = {name: _builder(*spec) for name, spec in ARCHITECTURES.items()}

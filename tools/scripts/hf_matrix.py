@@ -10,7 +10,7 @@ is ``exact``, ``refused`` (an ``AutoSPError`` raised alike on every rank, quoted
 (a wrong value, a hang past ``--timeout``, or any other error). The full text of every refusal and
 bug, and every op that ran on gathered inputs, follows the table. Exits 1 when some row is a bug.
 44 rows, one compile per rank each: about 10 minutes (250 s of CPU) on 2 loaded cores at sp=2; with
-``--more``, 216 rows (108 architectures under Ulysses and ring) beyond the matrix (``integration_tests/hf_more.py``), each with
+``--more``, 218 rows (109 architectures under Ulysses and ring) beyond the matrix (``integration_tests/hf_more.py``), each with
 HF gradient checkpointing on too with ``--checkpointing``.
 """
 
