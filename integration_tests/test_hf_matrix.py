@@ -199,6 +199,9 @@ MORE_ROWS: dict[Row, str] = {
     Row("CLIP (text and image towers, contrastive loss over the batch)", "ring"): (
         "1 of 1 graphs sharded, 2 attention sites, uneven pieces"
     ),
+    Row("Whisper (mel frames halved by a strided conv, a decoder cross-attending)", "ulysses"): (
+        "1 of 1 graphs sharded, 3 attention sites"
+    ),
 }
 
 

@@ -159,3 +159,12 @@ def test_outputs_aliasing_inputs_leave_an_earlier_graphs_backward_alone() -> Non
     compiled(x, model)[0].sum().backward()
     program(x, eager)[0].sum().backward()
     _assert_same(_grads(model), _grads(eager))
+
+
+def test_a_call_fed_the_previous_calls_output_drops_per_call(pair) -> None:
+    """A block applied twice by the caller (weights shared): the second call's input is the first call's
+    output, and each call's node gets its own hooks; its search stops at that input's node."""
+    eager, model, compiled, x = pair
+    for fn in (eager, compiled):
+        fn(fn(x)["hidden"])["hidden"].sum().backward()
+    _assert_same(_grads(model), _grads(eager))
