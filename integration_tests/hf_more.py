@@ -13,8 +13,9 @@ waveforms (Wav2Vec2, HuBERT, WavLM, SEW), vision models whose token grid is wind
 inside (Swin, SegFormer, PVT), encoder-decoders (T5, BART and their kin), and models written out by
 hand with their own batches (``MULTIMODAL``): vision-language models whose image tokens the model
 places in the text (Qwen2-VL, LLaVA, PaliGemma, Gemma-3, Mistral-3, Idefics3, InternVL), CLIP and
-SigLIP (a text and an image tower against each other) and Whisper (speech to text). Where a family's fields differ from the generic sizes they are written out
-(``_OVERRIDES``, ``_AUDIO``, ``_LAYER_KINDS``).
+SigLIP (a text and an image tower against each other) and Whisper (speech to text). Where a
+family's fields differ from the generic sizes they are written out (``_OVERRIDES``, ``_AUDIO``,
+``_LAYER_KINDS``).
 """
 
 from __future__ import annotations
@@ -368,7 +369,7 @@ def qwen2_vl_batch(generator: torch.Generator) -> dict[str, torch.Tensor]:
 
 VLM_VOCAB = 160
 IMAGE_TOKEN = 150
-VLM_IMAGE = 8  # pixels a side, 4 x 4 patches: 4 image tokens in the text
+VLM_IMAGE = 8  # pixels a side, in patches of 4: 2 x 2 patches, 4 image tokens in the text (twice it: 4 x 4)
 
 
 def _vision_tower(kind: str, layers: int) -> Any:
