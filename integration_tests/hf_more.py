@@ -553,22 +553,10 @@ def _whisper() -> Any:
     cross-attends to them."""
     import transformers as t
 
-    cfg = t.WhisperConfig(
-        vocab_size=hm.VOCAB,
-        num_mel_bins=8,
-        d_model=hm.HIDDEN,
-        encoder_layers=1,
-        decoder_layers=1,
-        encoder_attention_heads=hm.HEADS,
-        decoder_attention_heads=hm.HEADS,
-        encoder_ffn_dim=2 * hm.HIDDEN,
-        decoder_ffn_dim=2 * hm.HIDDEN,
-        max_source_positions=hm.SEQ,
-        max_target_positions=32,
-        pad_token_id=0,
-        decoder_start_token_id=1,
-        use_cache=False,
-    )
+    cfg = t.WhisperConfig(vocab_size=hm.VOCAB, num_mel_bins=8, d_model=hm.HIDDEN, encoder_attention_heads=hm.HEADS)
+    cfg.update({k: v for k, v in _SEQ2SEQ.items() if hasattr(cfg, k)})
+    cfg.update(dict(max_source_positions=hm.SEQ, max_target_positions=32, use_cache=False))
+    cfg.update(dict(pad_token_id=0, decoder_start_token_id=1))
     cfg._attn_implementation = "sdpa"
     return t.WhisperForConditionalGeneration(cfg)
 

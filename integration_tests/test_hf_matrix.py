@@ -200,7 +200,7 @@ MORE_ROWS: dict[Row, str] = {
         "1 of 1 graphs sharded, 2 attention sites, uneven pieces"
     ),
     Row("Whisper (mel frames halved by a strided conv, a decoder cross-attending)", "ulysses"): (
-        "1 of 1 graphs sharded, 3 attention sites"
+        "1 of 1 graphs sharded, 6 attention sites"
     ),
 }
 
