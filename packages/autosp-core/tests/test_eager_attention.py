@@ -309,13 +309,19 @@ def flat_heads(q, k, v, mask):
     return torch.bmm(att.softmax(-1), v3).view(B, H, S, D)
 
 
-def test_attention_over_merged_batch_and_heads_is_found_and_kept():
-    gm = _lowered(flat_heads)
+def _kept_over_4d_inputs(fn, why: str):
+    """The one region of ``fn``, kept as written for ``why``, with q, k and v the 4-D tensors they come
+    from: the graph shards their dim 2, the sequence."""
+    gm = _lowered(fn)
     (region,) = find_eager_regions(gm)
-    assert region.why_not is not None and "[batch * heads, S, d]" in region.why_not
+    assert region.why_not is not None and why in region.why_not
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    # q, k and v as the 4-D tensors they come from: the graph shards their dim 2, the sequence.
     assert (region.q, region.k, region.v) == tuple(placeholders[:3])
+    return region
+
+
+def test_attention_over_merged_batch_and_heads_is_found_and_kept():
+    region = _kept_over_4d_inputs(flat_heads, "[batch * heads, S, d]")
     assert region.output.target is torch.ops.aten.bmm.default
 
 
@@ -331,11 +337,7 @@ def flat_relative_terms(q, k, v, mask):
 
 
 def test_scores_changed_before_their_four_dimensional_view_are_found_and_kept():
-    gm = _lowered(flat_relative_terms)
-    (region,) = find_eager_regions(gm)
-    assert region.why_not is not None and "before their [B, H, S, Sk] view" in region.why_not
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    assert (region.q, region.k, region.v) == tuple(placeholders[:3])
+    region = _kept_over_4d_inputs(flat_relative_terms, "before their [B, H, S, Sk] view")
     assert (region.shape4("q"), region.shape4("k")) == ((B, H, S, D), (B, H, S, D))
 
 
