@@ -58,7 +58,9 @@ def test_unreached_parameters_keep_no_gradient(pool: SPMDPool, backend: str, out
     _check(pool.run(run_discarded, "ulysses", backend, outputs, timeout_s=600), where)
 
 
-@pytest.mark.parametrize(("variant", "world"), [("ring", 3), ("hybrid", 4)])
+@pytest.mark.parametrize(
+    ("variant", "world", "backend"), [("ring", 3, "aot_eager"), ("hybrid", 4, "aot_eager"), ("ulysses", 4, "inductor")]
+)
 @pytest.mark.extended(covered_by="test_unreached_parameters_keep_no_gradient")
-def test_unreached_parameters_keep_no_gradient_on_more_ranks(variant: str, world: int) -> None:
-    _check(run_spmd(run_discarded, world, variant, "aot_eager"), f"{variant} aot_eager P={world}")
+def test_unreached_parameters_keep_no_gradient_on_more_ranks(variant: str, world: int, backend: str) -> None:
+    _check(run_spmd(run_discarded, world, variant, backend), f"{variant} {backend} P={world}")
