@@ -11,6 +11,7 @@ import enum
 import logging
 import math
 import re
+import sys
 from datetime import timedelta
 
 import pytest
@@ -441,6 +442,38 @@ def test_a_graph_break_inside_a_comprehension_runs_as_in_eager():
     for _ in range(2):
         torch.testing.assert_close(call(x, sizes), model(x, sizes))
     torch._dynamo.reset()
+
+
+def _values_count(x, view):
+    return x * len(view)
+
+
+def _a_comprehension(xs):
+    return [x for x in xs]
+
+
+def test_the_dynamo_fixes_hold_only_inside_autosps_calls():
+    # The values-view fix makes a break of a frame that plain Dynamo compiles (it takes only the
+    # view's length): other compiles in the process, with fullgraph=True, must not fail on it.
+    from torch._dynamo.variables.functions import UserFunctionVariable
+
+    from autosp import dynamo_fixes
+
+    dynamo_fixes.install()
+    view, x = collections.OrderedDict(a=1, b=2).values(), torch.ones(2)
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(_values_count, backend="eager", fullgraph=True)(x, view), x * 2)
+    torch._dynamo.reset()
+    with dynamo_fixes.applied(), pytest.raises(torch._dynamo.exc.Unsupported, match="values view"):
+        torch.compile(_values_count, backend="eager", fullgraph=True)(x, view)
+    torch._dynamo.reset()
+
+    if sys.version_info < (3, 12):  # later, a comprehension is no function of its own (PEP 709)
+        code = next(c for c in _a_comprehension.__code__.co_consts if getattr(c, "co_name", "") == "<listcomp>")
+        comprehension = UserFunctionVariable(type(_a_comprehension)(code, {}))
+        with dynamo_fixes.applied():
+            assert not comprehension.should_allow_nested_graph_breaks()
+        assert comprehension.should_allow_nested_graph_breaks()
 
 
 @pytest.mark.filterwarnings(r"ignore:Using `torch\.compile\(module\)` when there are global hooks")

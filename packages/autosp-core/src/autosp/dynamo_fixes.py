@@ -1,4 +1,9 @@
-"""Three Dynamo fixes that AutoSP's programs need and torch 2.13 lacks; ``install`` applies them.
+"""Three Dynamo fixes that AutoSP's programs need and torch 2.13 lacks, in force inside ``applied()``.
+
+They hold only while ``applied()`` is entered (AutoSP's guarded call holds it with nested graph breaks
+on): another ``torch.compile`` in the process traces as torch alone would. The values-view fix turns
+into a graph break a frame that plain Dynamo compiles (one that takes only the view's length), and
+``fullgraph=True`` then fails on it; the fixes must not reach programs that did not ask for AutoSP.
 
 **Module hook dicts.** AutoSP turns on Dynamo's nested graph breaks (``guards._hard_dynamo_failures``).
 In torch 2.13, Dynamo reads a module's empty hook dict (``_forward_hooks`` and its kin) as a fresh
@@ -34,7 +39,10 @@ function, which resumes after it, as for any call Dynamo cannot inline; the comp
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
+from contextvars import ContextVar
 from typing import Any
 
 _HOOK_DICTS = frozenset(
@@ -48,10 +56,12 @@ _HOOK_DICTS = frozenset(
     }
 )
 _installed = False
+# A context variable: Dynamo traces in the calling thread, and another thread's compile is not AutoSP's.
+_IN_FORCE: ContextVar[bool] = ContextVar("autosp_dynamo_fixes", default=False)
 
 
 def install() -> None:
-    """The three fixes, once per process."""
+    """Patch Dynamo once per process; the patches do nothing outside ``applied()``."""
     global _installed
     if _installed:
         return
@@ -59,6 +69,17 @@ def install() -> None:
     _source_hook_dicts()
     _break_at_values_views()
     _no_nested_breaks_in_comprehensions()
+
+
+@contextlib.contextmanager
+def applied() -> Iterator[None]:
+    """The three fixes in force for what Dynamo traces in this context (installed on first use)."""
+    install()
+    token = _IN_FORCE.set(True)
+    try:
+        yield
+    finally:
+        _IN_FORCE.reset(token)
 
 
 def _source_hook_dicts() -> None:
@@ -73,7 +94,8 @@ def _source_hook_dicts() -> None:
     def var_getattr(self: Any, tx: Any, name: str) -> Any:
         vt = read(self, tx, name)
         if (
-            name in _HOOK_DICTS
+            _IN_FORCE.get()
+            and name in _HOOK_DICTS
             and self.source is not None
             and type(vt) is ConstDictVariable
             and vt.source is None
@@ -95,7 +117,7 @@ def _break_at_values_views() -> None:
     wrap = VariableBuilder.wrap_listlike
 
     def wrap_listlike(self: Any, value: Any) -> Any:
-        if type(value) is odict_values:
+        if type(value) is odict_values and _IN_FORCE.get():
             unimplemented(
                 gb_type="OrderedDict values view as an input (autosp.dynamo_fixes)",
                 context=repr(self.source),
@@ -127,9 +149,9 @@ def _no_nested_breaks_in_comprehensions() -> None:
                 name = self.get_code().co_name
             except Exception:  # noqa: BLE001 - a function variable without code: as torch decides
                 return allowed(self)
-            return name not in _COMPREHENSIONS and allowed(self)
+            return (name not in _COMPREHENSIONS or not _IN_FORCE.get()) and allowed(self)
 
         cls.should_allow_nested_graph_breaks = should_allow_nested_graph_breaks  # type: ignore[method-assign]
 
 
-__all__ = ["install"]
+__all__ = ["applied", "install"]

@@ -312,14 +312,14 @@ def _hard_dynamo_failures(nested: bool = True) -> Iterator[None]:
     module global, not a context variable: eager code in another thread during the call takes the
     slow path too, with the same results.
 
-    Nested breaks need a Dynamo fix torch 2.13 lacks (``autosp.dynamo_fixes``): a module hook
-    registered inside the call (transformers' output capturing) crashed otherwise.
+    Nested breaks need Dynamo fixes torch 2.13 lacks (``autosp.dynamo_fixes``): a module hook
+    registered inside the call (transformers' output capturing) crashed otherwise. They hold for
+    this context only, not for other compiles in the process.
 
     Set and restored by hand: ``config.patch`` costs ~0.1 ms a call, an attribute ~10 us. The
     values are context variables in torch 2.13, so other threads are not affected.
     """
-    if nested:
-        dynamo_fixes.install()
+    fixes = dynamo_fixes.applied() if nested else contextlib.nullcontext()
     cfg = torch._dynamo.config
     names = (
         "fail_on_recompile_limit_hit",
@@ -335,7 +335,8 @@ def _hard_dynamo_failures(nested: bool = True) -> Iterator[None]:
     fastpath = torch.backends.mha.get_fastpath_enabled()
     torch.backends.mha.set_fastpath_enabled(False)
     try:
-        yield
+        with fixes:
+            yield
     finally:
         for name, value in zip(names, saved):
             setattr(cfg, name, value)
