@@ -84,6 +84,7 @@ def run_compiled(
         out["collectives"] = dict(report.collectives)
         out["group_ops"] = report.group_ops
         out["fallbacks"] = list(report.fallbacks)
+        out["notes"] = list(report.notes)
         out["layers"] = len(report.sites)
         out["params"] = sum(1 for p in model.parameters() if p.requires_grad)
         results[name] = out

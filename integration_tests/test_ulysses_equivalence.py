@@ -87,6 +87,17 @@ def test_four_ranks_fewer_kv_heads_than_ranks():
         assert r["collectives"].get("all_gather", 0) == (1 if name.startswith("hf-") else 0), (name, r["collectives"])
 
 
+def test_three_ranks_pad_heads_they_do_not_split():
+    # 4 query heads over 3 ranks, padded to 6 (k/v's 2 heads repeated to 4 first); the 32 tokens
+    # split 11, 11, 10. Once refused ("not divisible by sp_size=3"). Still two all-to-alls per layer.
+    results = check(3, ["llama", "hf-llama"], "aot_eager")
+    for name, r in results.items():
+        assert r["collectives"]["all_to_all"] == 2 * r["layers"], (name, r["collectives"])
+        assert not r["fallbacks"], (name, r["fallbacks"])
+        padded = [n for n in r["notes"] if "4 heads padded to 6 to split over 3 ranks" in n]
+        assert len(padded) == r["layers"], (name, r["notes"])
+
+
 @pytest.mark.extended(
     covered_by="packages/autosp-core/tests/test_grad_sync.py::test_buckets_follow_descending_slots_and_close_at_the_cap"
 )

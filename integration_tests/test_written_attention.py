@@ -2,7 +2,7 @@
 
 Cross-attention to a memory of another length keeps the memory whole and each rank's query rows local.
 Hand-written attention that SDPA computes exactly becomes one SDPA call (every variant rewrites
-it); what it cannot (soft-capping, heads a variant cannot split) stays as written and is still
+it); what it cannot (soft-capping, kv heads that do not group the query heads) stays as written and is still
 exact, k and v gathered.  A graph without attention shards by the length of the graph before it,
 or runs whole when none came before.  Each case also pins what the report says it did.
 """
@@ -113,10 +113,17 @@ def test_two_ranks_ring():
     check(2, "aot_eager", "ring", list(expect), expect=expect)
 
 
-@pytest.mark.extended(covered_by="test_two_ranks_ulysses")
+@pytest.mark.extended(
+    covered_by="integration_tests/test_ulysses_equivalence.py::test_three_ranks_pad_heads_they_do_not_split"
+)
 def test_three_ranks_heads_not_divisible():
-    # 4 heads over 3 ranks: Ulysses cannot split them, so the written-out attention stays as written.
-    expect = {("nano", "none", 4, False): (0, "not divisible by sp_size=3")}
+    # 4 heads over 3 ranks: written-out attention becomes SDPA, its heads padded to 6; BLOOM's
+    # per-head [B, H, S, S] bias gets the padding heads too (once kept as written, k and v gathered).
+    expect = {
+        ("nano", "none", 4, False): (2, REWRITTEN),
+        ("bloom", "none", 2, False): (2, "4 heads padded to 6"),
+        ("alibi", "none", 4, False): (2, "4 heads padded to 6"),
+    }
     check(3, "aot_eager", "ulysses", list(expect), seq=24, expect=expect)
 
 

@@ -81,7 +81,10 @@ def config_errors(rank: int, world: int) -> dict[str, Any]:
             "bad_backend": lambda: autosp.compile(gpt, sp_size=world, backend="tvm"),
             "group_and_smaller_sp": lambda: autosp.compile(gpt, sp_size=1, group=dist.group.WORLD),
             "seq_not_divisible": lambda: autosp.compile(gpt, backend="aot_eager", variant="equal-pieces")(ids8, ids8),
-            "heads_not_divisible": lambda: autosp.compile(gpt, backend="aot_eager")(ids9, ids9),
+            # SDPA pads heads the ranks do not split; FlexAttention may read the head index: refused.
+            "heads_not_divisible": lambda: autosp.compile(_flex_heads, backend="aot_eager")(
+                torch.randn(1, 4, 9, 4), _causal_blocks(9)
+            ),
             "two_lengths": lambda: autosp.compile(_two_lengths, backend="aot_eager", dynamic=True)(
                 torch.randn(1, 9, 12), torch.randn(1, 6, 12)
             ),
@@ -118,6 +121,19 @@ def _cls_token_encoder(image):
     x = torch.cat([x.new_ones(1, 1, 12), x], 1)  # [1, 10, 12]
     q = x.view(1, 10, 3, 4).transpose(1, 2)
     return torch.nn.functional.scaled_dot_product_attention(q, q, q)[:, :, 0].sum()
+
+
+def _causal_blocks(seq):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return create_block_mask(lambda b, h, q, k: k <= q, None, None, seq, seq, device="cpu")
+
+
+def _flex_heads(q, blocks):
+    """FlexAttention over 4 heads (the block mask made outside the compiled call)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return flex_attention(q, q, q, block_mask=blocks).sum()
 
 
 def _two_lengths(x, memory):

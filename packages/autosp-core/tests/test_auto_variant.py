@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import autosp
+from autosp import variant_cost as cost
 from autosp.analysis.attention import AttentionSite
 from autosp.hardware import CommModel, HardwareProfile, Interconnect
 from autosp.hardware_io import save
@@ -65,15 +66,21 @@ def test_the_profile_changes_the_choice():
 @pytest.mark.parametrize(
     "heads, expected, excluded",
     [
-        (3, {"ring"}, ("ulysses: attention attn has 3 query heads", "hybrid: no ulysses_degree")),
-        (2, {"hybrid(ulysses_degree=2)", "ring"}, ("ulysses: attention attn has 2 query heads",)),
+        (3, {"ulysses", "ring"}, ("hybrid: no ulysses_degree",)),
+        (2, {"ulysses", "hybrid(ulysses_degree=2)", "ring"}, ()),
     ],
 )
-def test_heads_ulysses_cannot_split_never_error(heads, expected, excluded):
+def test_heads_the_ranks_do_not_split_never_error(heads, expected, excluded):
     choice = choose(ctx([site(heads, 1)], 4, FAST_A2A))
     assert {e.label for e in choice.candidates} == expected
     for why in excluded:
         assert any(x.startswith(why) for x in choice.excluded), choice.excluded
+
+
+def test_ulysses_is_costed_with_the_heads_it_pads():
+    # 6 heads over 4 ranks travel and are attended as 8, k/v repeated to the query heads first.
+    padded, split = (cost.ulysses([s], 4, FAST_A2A) for s in (site(6, 2), site(8, 8)))
+    assert (padded.comm_bytes, padded.compute_seconds) == pytest.approx((split.comm_bytes, split.compute_seconds))
 
 
 def test_a_length_the_ranks_do_not_split_evenly_keeps_every_variant_that_takes_one():
@@ -213,3 +220,30 @@ def test_a_dynamic_length_the_ranks_do_not_split_evenly_keeps_only_ulysses():
     assert any(
         x.startswith("ring: variant 'ring' takes no uneven pieces of a length marked dynamic") for x in choice.excluded
     )
+
+
+def test_a_site_found_after_lowering_that_the_choice_refuses_is_chosen_for_again(fake_four_ranks, monkeypatch):
+    # nn.MultiheadAttention's SDPA call is a site only once lowered. Without Ulysses installed and no
+    # site known, hybrid ties the ring and wins the tie; its degree 2 does not split 3 heads: choose again.
+    from autosp.registry import BLOCK_ENV, reset_registry
+
+    monkeypatch.setenv(BLOCK_ENV, "autosp-ulysses")
+    reset_registry()
+    try:
+        torch._dynamo.reset()
+        mha = torch.nn.MultiheadAttention(12, 3, batch_first=True)
+        compiled = autosp.compile(
+            lambda x: mha(x, x, x, need_weights=False)[0].sum(),
+            sp_size=4,
+            variant="auto",
+            backend="aot_eager",
+            check_inputs=False,
+            sac=False,
+        )
+        compiled(torch.randn(1, 16, 12))
+        report = compiled.autosp_reports[0]
+    finally:
+        monkeypatch.delenv(BLOCK_ENV)
+        reset_registry()
+    assert report.variant == "ring (chosen by variant='auto')", report.variant
+    assert any("refuses a site found after lowering" in n for n in report.notes), report.notes

@@ -21,10 +21,69 @@ def test_registered_through_the_entry_point():
     assert "autosp-ulysses" in reg.plugin_names()
 
 
-def test_heads_must_divide_sp_size_with_a_pointer_to_ring():
+def test_heads_must_divide_sp_size_only_where_the_attention_op_is_not_sdpa():
+    from autosp.lowering import FLEX
+
     ULYSSES.check(_site(8, 2), 4)  # 2 kv heads on 4 ranks are replicated, not an error
+    ULYSSES.check(_site(6, 2), 4)  # SDPA: padded to 8 heads
+    flex = AttentionSite("flex", FLEX, 1, 6, 2, 64, 64, 16, True, None, None)
     with pytest.raises(AutoSPError, match=r"6 query heads, not divisible by sp_size=4.*variant='ring'"):
-        ULYSSES.check(_site(6, 2), 4)
+        ULYSSES.check(flex, 4)
+
+
+@pytest.mark.parametrize(
+    ("world", "seq", "heads", "kv_heads", "chunks", "mask"),
+    [
+        (3, 6, 4, 4, 1, None),  # causal; 6 padded heads, 2 per rank
+        (3, 6, 4, 2, 1, "bool"),  # GQA, k/v repeated to 4 heads first; a per-head boolean mask
+        (4, 8, 6, 3, 2, "float"),  # 8 heads in two pipelined groups per rank; a per-head additive bias
+        (3, 7, 4, 1, 1, "row"),  # multi-query, a length split unevenly too; a [B, 1, S, S] mask
+        (2, 6, 5, 5, 1, "bool"),  # an odd head count over two ranks
+    ],
+)
+def test_heads_the_ranks_do_not_split_are_padded_with_zero_heads(world, seq, heads, kv_heads, chunks, mask):
+    # Exact values and gradients, and the same exchanges as a head count the ranks split (k/v
+    # repeated to it): q, k and v are never gathered whole.
+    import torch
+
+    from autosp.sharding import Shard
+    from autosp.sharding.testing import check_op, shard
+
+    def run(h, kv):
+        gen = torch.Generator().manual_seed(h)
+        q = torch.randn(2, h, seq, 4, generator=gen)
+        k, v = (torch.randn(2, kv, seq, 4, generator=gen) for _ in range(2))
+        kwargs = {"is_causal": mask is None, "enable_gqa": kv != h}
+        placements = [shard(2)] * 3
+        if mask is not None:
+            shape = (2, 1 if mask == "row" else h, seq, seq)
+            m = torch.rand(shape, generator=gen) > 0.4 if mask != "float" else torch.randn(shape, generator=gen)
+            if m.dtype == torch.bool:
+                m |= torch.eye(seq, dtype=torch.bool)  # kernels disagree on a fully masked row
+            kwargs["attn_mask"] = m
+            placements.append(shard(2))
+        site = AttentionSite("op", SDPA, 2, h, kv, seq, seq, 4, mask is None, None, torch.float32)
+        return check_op(
+            torch.ops.aten.scaled_dot_product_attention.default,
+            (q, k, v),
+            kwargs,
+            placements=placements,
+            world=world,
+            expect=[Shard],
+            requires_grad=[True] * 3 + [False] * (len(placements) - 3),  # SDPA takes no gradient for a mask
+            context={
+                "attention_rule": ULYSSES.attention_rule,
+                "sites": {"op": site},
+                "variant_options": {"ulysses_chunks": chunks},
+            },
+        )
+
+    def exchanges(report):
+        return [c for c in report.collectives if c.startswith("all_to_all")]
+
+    padded = -(-heads // world) * world
+    got = exchanges(run(heads, kv_heads))
+    assert len(got) >= 2 and got == exchanges(run(padded, padded)), got
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])

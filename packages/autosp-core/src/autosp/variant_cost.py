@@ -109,11 +109,16 @@ def ulysses(sites: list[AttentionSite], world: int, hw: HardwareProfile) -> Esti
     parts = []
     for site in sites:
         z = _Sizes.of(site)
-        kv = z.kv if z.kv % world == 0 else z.kv * (world // math.gcd(z.kv, world))
+        # Heads the ranks do not split travel padded to a multiple of them, k/v repeated to the query heads.
+        h = -(-z.h // world) * world
+        if h != z.h:
+            kv = h
+        else:
+            kv = z.kv if z.kv % world == 0 else z.kv * (world // math.gcd(z.kv, world))
         token = z.b * (z.s // world) * z.d * z.elt  # bytes of one head over this rank's tokens
-        qkv, out = token * (z.h + 2 * kv), token * z.h
+        qkv, out = token * (h + 2 * kv), token * h
         comm = 2 * (hw.collective_seconds("all_to_all", qkv, world) + hw.collective_seconds("all_to_all", out, world))
-        compute = (1 + BACKWARD_FACTOR) * z.flops(world) / hw.attention(z.dtype)
+        compute = (1 + BACKWARD_FACTOR) * z.flops(world) * (h / z.h) / hw.attention(z.dtype)
         parts.append((2 * (qkv + out) * (world - 1) / world, comm, compute))
     nbytes, comm, compute = _sum(parts)
     return Estimate("ulysses", {}, nbytes, comm, compute, comm + compute)

@@ -10,6 +10,15 @@ With ``ulysses_chunks=n`` (a variant option, default 1) each rank's heads are pr
 groups as a pipeline: group c+1's q/k/v exchange is in flight while group c's attention runs,
 and group c's output exchange while group c+1's runs. Heads are independent, so the result is
 the same; it costs n times the collectives (each 1/n of the bytes).
+
+A head count H that P does not divide (GPT-2 XL's 25 heads, 4 heads at P=3) travels padded: q, k
+and v get zero heads up to the next multiple of P (k and v first repeated to H heads where they
+are grouped, GQA), each rank attends over its ceil(H/P) heads, and the padding heads are cut from
+the output. A zero head's scores are all equal, so its rows are finite and its output, which
+nothing reads, is zero; its gradient is cut with it, so the real heads' values and gradients are
+those of the unpadded attention. It costs (ceil(H/P)*P - H)/H more attention compute, and the report
+says so. Only SDPA pads: a plugin's attention op or FlexAttention may read the head index or carry
+per-head arguments, so those still need P to divide H.
 """
 
 from __future__ import annotations
@@ -23,7 +32,7 @@ import torch.nn.functional as F
 
 from autosp.analysis.attention import AttentionSite
 from autosp.errors import AutoSPError, ConfigError
-from autosp.lowering import sdpa_args
+from autosp.lowering import SDPA, sdpa_args
 from autosp.sharding import collectives as C
 from autosp.sharding.context import SPContext, SPValue, global_like
 from autosp.sharding.placement import Replicate, SeqAxis, Shard, is_even
@@ -32,7 +41,7 @@ from autosp_ulysses import uneven
 
 
 def check(site: AttentionSite, world: int) -> None:
-    if site.heads % world:
+    if site.heads % world and site.spec is not SDPA:
         raise AutoSPError(
             f"attention {site.name} has {site.heads} query heads, not divisible by sp_size={world}; Ulysses splits "
             f"heads over ranks: use an sp_size that divides {site.heads}, or variant='ring'"
@@ -176,17 +185,54 @@ def kv_heads(ctx: SPContext, v: SPValue, q_heads: int, hdim: int, sdim: int) -> 
     return _repeat_heads(v, hdim, r), kv * r != q_heads
 
 
-def _mask_heads(ctx: SPContext, mask: Any, heads: int, hdim: int) -> tuple[Any, int | None]:
-    """This rank's part of the mask, and its head dim when it has one (else None)."""
+def _mask_heads(ctx: SPContext, mask: Any, heads: int, hdim: int, padded: int | None = None) -> tuple[Any, int | None]:
+    """This rank's part of the mask, and its head dim when it has one (else None).
+
+    With ``padded`` heads (``pad_heads``) a per-head mask gets the padding heads too, masking
+    nothing: kernels disagree on a fully masked row (CPU's gives zeros, the math path NaN).
+    """
     if not isinstance(mask, SPValue):
         return mask, None
     full = gather(ctx, mask) if not isinstance(mask.placement, Replicate) else mask.local
     offset = mask.ndim - 4
     d = hdim + offset
     if d >= 0 and mask.gval.shape[d] == heads and heads > 1:
+        if padded is not None and padded != heads:
+            full = _append_heads(full, d, padded - heads, fill=full.dtype == torch.bool)
+            heads = padded
         lo, hi = _head_range(ctx, heads)
         return full.narrow(d, lo, hi - lo), d
     return full, None
+
+
+def _append_heads(x: torch.Tensor, hdim: int, n: int, fill: bool | float = 0) -> torch.Tensor:
+    shape = list(x.shape)
+    shape[hdim] = n
+    return torch.cat([x, x.new_full(shape, fill)], hdim)
+
+
+def padded_heads(heads: int, world: int) -> int:
+    """``heads`` rounded up to a multiple of ``world``."""
+    return -(-heads // world) * world
+
+
+def pad_heads(ctx: SPContext, values: list[SPValue], heads: int, hdim: int) -> list[SPValue]:
+    """q, k and v with ``padded_heads(heads)`` heads each: k/v repeated to ``heads`` (GQA), then zero heads.
+
+    Padding is local (the heads axis is not the sharded one), so placements are unchanged. k and v
+    are repeated first because after padding rank r's query heads would use kv heads that no
+    whole number of kv heads per rank holds.
+    """
+    padded = padded_heads(heads, ctx.world)
+    out = []
+    for v in values:
+        have = int(v.gval.shape[hdim])
+        if have != heads:
+            v = _repeat_heads(v, hdim, heads // have)
+        gshape = list(v.gval.shape)
+        gshape[hdim] = padded
+        out.append(SPValue(_append_heads(v.local, hdim, padded - heads), v.placement, global_like(v.gval, gshape)))
+    return out
 
 
 def chunk_option(options: dict[str, Any]) -> int:
@@ -291,25 +337,36 @@ def _pipelined(
 def ulysses_attention(ctx: SPContext, node: torch.fx.Node, site: AttentionSite, args: tuple, kwargs: dict) -> SPValue:
     spec = site.spec
     hdim, sdim = site.axis("H"), site.axis("S")
-    if spec.leaf is not None and node.target == spec.leaf:
+    # SDPA's leaf, or aten's SDPA itself (the rule harness calls it: the leaf has no eager backward).
+    if spec is SDPA and node.target in (spec.leaf, torch.ops.aten.scaled_dot_product_attention.default):
         a = sdpa_args(args, kwargs)
         q, k, v = a["query"], a["key"], a["value"]
     else:
         q, k, v = (args[i] for i in spec.qkv)
         a = None
-    k, gqa_k = kv_heads(ctx, k, site.heads, hdim, sdim)
-    v, gqa_v = kv_heads(ctx, v, site.heads, hdim, sdim)
+    heads = padded_heads(site.heads, ctx.world)
+    if heads != site.heads:
+        if a is None:  # check() refuses it: a plugin op may read its head index
+            raise AssertionError(f"ulysses: {site.name}'s {site.heads} heads do not split over {ctx.world} ranks")
+        q, k, v = pad_heads(ctx, [q, k, v], site.heads, hdim)
+        ctx.notes.append(
+            f"attention {site.name}: {site.heads} heads padded to {heads} to split over {ctx.world} ranks "
+            f"({100 * (heads - site.heads) / site.heads:.0f}% more attention compute"
+            + (", k/v repeated to the query heads)" if site.kv_heads != site.heads else ")")
+        )
+    k, gqa_k = kv_heads(ctx, k, heads, hdim, sdim)
+    v, gqa_v = kv_heads(ctx, v, heads, hdim, sdim)
     length = site.seq_len
     placement = Shard(SeqAxis(sdim, length), ctx.even_ranges(length))
     plan = _plan_chunks(ctx, a, [q, k, v], hdim, sdim)
     if a is not None and plan[0] > 1:
-        mask = _mask_heads(ctx, a["attn_mask"], site.heads, hdim)
+        mask = _mask_heads(ctx, a["attn_mask"], site.heads, hdim, heads)
         out = _pipelined(ctx, a, [q, k, v], mask, gqa_k or gqa_v, plan, hdim, sdim)
-        return SPValue(out, placement, node.meta["val"])
+        return SPValue(out.narrow(hdim, 0, site.heads), placement, node.meta["val"])
     fused = to_heads_fused(ctx, [q, k, v], hdim, sdim)
     ql, kl, vl = fused if fused is not None else (to_heads(ctx, x, hdim, sdim) for x in (q, k, v))
     if a is not None:
-        mask, _ = _mask_heads(ctx, a["attn_mask"], site.heads, hdim)
+        mask, _ = _mask_heads(ctx, a["attn_mask"], site.heads, hdim, heads)
         out = _sdpa(a, ql, kl, vl, mask, gqa_k or gqa_v)
     else:
         local = list(args)
@@ -319,7 +376,8 @@ def ulysses_attention(ctx: SPContext, node: torch.fx.Node, site: AttentionSite, 
         if isinstance(spec.mask, int) and isinstance(args[spec.mask], SPValue):
             local[spec.mask] = _mask_heads(ctx, args[spec.mask], site.heads, hdim)[0]
         out = node.target(*local, **{k_: (x.local if isinstance(x, SPValue) else x) for k_, x in kwargs.items()})
-    return SPValue(from_heads(ctx, out, sdim, hdim, length), placement, node.meta["val"])
+    back = from_heads(ctx, out, sdim, hdim, length)
+    return SPValue(back.narrow(hdim, 0, site.heads) if heads != site.heads else back, placement, node.meta["val"])
 
 
 __all__ = [
@@ -328,6 +386,8 @@ __all__ = [
     "finish_heads",
     "from_heads",
     "kv_heads",
+    "pad_heads",
+    "padded_heads",
     "start_heads",
     "to_heads",
     "to_heads_fused",

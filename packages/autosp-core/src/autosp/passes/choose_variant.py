@@ -1,7 +1,7 @@
 """``variant="auto"``: pick the SP variant (and hybrid's degrees) once the attention sites are known.
 
 Candidates are the installed variants whose own ``check`` accepts every site (so a head count
-that Ulysses cannot split simply leaves Ulysses out), plus every hybrid degree that divides the
+that a variant cannot split simply leaves it out), plus every hybrid degree that divides the
 heads; the cheapest by ``autosp.variant_cost`` wins, ties going to the simpler variant. The
 report lists each candidate with its estimated communication and time, and why others were left
 out. ``variant="hybrid"`` without degrees gets its degrees the same way.
@@ -150,10 +150,18 @@ def choose_again(ctx: CompileContext) -> None:
     choice = ctx.get_state(Choice)
     if choice is None:
         return
-    why = _accepts(ctx.variant, ctx)
+    why = _accepts(ctx.variant, ctx) or _refuses_degree(choice.chosen, ctx)
     if why is not None:
         ctx.report.notes.append(f"{choice.chosen.label} refuses a site found after lowering ({why}): choosing again")
         _choose(ctx, choice.asked)
+
+
+def _refuses_degree(chosen: cost.Estimate, ctx: CompileContext) -> str | None:
+    """Why the chosen hybrid degree does not split some site's heads (hybrid's own check cannot know the degree)."""
+    u = chosen.options.get("ulysses_degree")
+    if u is None or u in cost.hybrid_degrees(sequence_sites(ctx), ctx.world):
+        return None
+    return f"ulysses_degree={u} does not divide every site's query heads"
 
 
 def _choose(ctx: CompileContext, asked: str) -> None:
