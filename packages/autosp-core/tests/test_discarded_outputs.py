@@ -168,3 +168,38 @@ def test_a_call_fed_the_previous_calls_output_drops_per_call(pair) -> None:
     for fn in (eager, compiled):
         fn(fn(x)["hidden"])["hidden"].sum().backward()
     _assert_same(_grads(model), _grads(eager))
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_one_rank_lowers_the_graph_for_the_analysis_alone(backend) -> None:
+    # On one rank the passes do not lower the graph; the analysis lowers it apart (zeros before).
+    import autosp
+
+    torch.manual_seed(0)
+    eager = Backbone()
+    model = copy.deepcopy(eager)
+    torch._dynamo.reset()
+    compiled = autosp.compile(model, backend=backend)
+    x = torch.randn(2, 3, 4)
+    eager(x)["pooled"].sum().backward()
+    compiled(x)["pooled"].sum().backward()
+    _assert_same(_grads(model), _grads(eager))
+    assert model.aux.weight.grad is None and model.pooler.weight.grad is not None
+
+
+def test_one_rank_analyses_only_graphs_with_two_differentiable_outputs() -> None:
+    from autosp.discarded_outputs import reach_alone
+
+    seen: list[Reach | None] = []
+
+    def record(gm: torch.fx.GraphModule, example_inputs: list[Any]):
+        seen.append(reach_alone(gm, *_fake_inputs(gm, example_inputs)))
+        return gm.forward
+
+    w = torch.randn(2, 2, requires_grad=True)
+    for fn in (lambda x: (x @ w).sum(), lambda x: ((x @ w).sum(), (x @ w).argmax()), lambda x: (x @ w, x.sin())):
+        torch._dynamo.reset()
+        torch.compile(fn, backend=record, fullgraph=True)(torch.randn(2, 2, requires_grad=True))
+    assert seen[0] is None and seen[1] is None  # one output carries a gradient: nothing to drop
+    both, sin = seen[2].outputs if seen[2] is not None else (0, 0)
+    assert sin and both & sin == sin != both  # x.sin() reaches x alone, x @ w reaches x and w

@@ -19,7 +19,7 @@ from torch._guards import detect_fake_mode
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from autosp.context import CompileContext
-from autosp.discarded_outputs import drop_discarded
+from autosp.discarded_outputs import drop_discarded, reach_alone
 from autosp.hardware_select import resolve as resolve_hardware
 from autosp.options import SPOptions
 from autosp.passes.collective_order import group_op_sequence, group_size_label, never_merged
@@ -218,6 +218,8 @@ def compile_graph(
     if reports is not None:
         reports.append(ctx.report)
     draws = python_draws(gm)  # read before the passes: the lowering renames the graph's inputs
+    if world == 1:  # autosp.lower sets it under SP
+        ctx.reach = reach_alone(gm, ctx.fake_inputs, ctx.fake_mode)
     gm = manager.run(Stage.GRAPH, gm, ctx)
     ctx.report.random_ops = random_ops(gm) + draws
     partition = _Partitioner(manager, ctx)

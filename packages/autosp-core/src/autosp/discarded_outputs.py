@@ -16,6 +16,9 @@ Two halves:
   compiled backward node then replaces with ``None`` the gradient of each input that no output given
   a gradient reaches.
 
+A program on one rank is not lowered by the passes; ``reach_alone`` lowers it for this analysis
+only, where two or more outputs carry a gradient (with one, nothing can be dropped).
+
 Invariant: only a gradient that is exactly zero by construction becomes ``None``. Whatever is not
 understood (an output that cannot be hooked, an edge of the backward node that matches no input, a
 graph whose outputs do not line up) keeps the compiled gradient: at worst a zero where eager has
@@ -81,6 +84,25 @@ def reach(gm: torch.fx.GraphModule) -> Reach | None:
         return None
     flat = torch.utils._pytree.tree_leaves(output.args[0])
     return Reach(tuple(masks.get(v, 0) if isinstance(v, torch.fx.Node) else 0 for v in flat), kept)
+
+
+def _differentiable_outputs(gm: torch.fx.GraphModule) -> int:
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    values = [v.meta.get("example_value") for v in torch.utils._pytree.tree_leaves(output.args[0])]
+    return sum(1 for v in values if not isinstance(v, torch.Tensor) or v.requires_grad)
+
+
+def reach_alone(gm: torch.fx.GraphModule, fake_inputs: Sequence[Any], fake_mode: Any) -> Reach | None:
+    """``reach`` of Dynamo's graph ``gm`` lowered apart (one rank: the passes do not lower it); ``None``
+    where nothing can be dropped or the lowering fails (the compiled gradients are then kept as they are)."""
+    if _differentiable_outputs(gm) < 2:
+        return None
+    from autosp.lowering import lower_to_aten
+
+    try:
+        return reach(lower_to_aten(gm, fake_inputs, fake_mode))
+    except Exception:  # noqa: BLE001 - torch compiles it regardless; only the analysis is given up
+        return None
 
 
 def _backward_node(outs: Sequence[Any], args: Sequence[Any]) -> Any:
@@ -173,4 +195,4 @@ def drop_discarded(fn: Callable[..., Any], found: Reach | None) -> Callable[...,
     return run
 
 
-__all__ = ["Reach", "drop_discarded", "reach"]
+__all__ = ["Reach", "drop_discarded", "reach", "reach_alone"]
