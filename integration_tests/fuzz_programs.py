@@ -249,8 +249,9 @@ def programs(
 
     ``uneven``: a length ``world`` does not divide instead (pieces one token apart).
     """
-    dim = draw(st.sampled_from([16, 32]))
-    heads = draw(st.sampled_from([4, 8]))
+    # 6 heads: Ulysses pads them at P=4 (and 4 or 8 heads at P=3); kv heads 3 are repeated first.
+    heads = draw(st.sampled_from([4, 8, 6]))
+    dim = heads * draw(st.sampled_from([4, 8]))
     seq = 2 * world * draw(st.integers(1, max(1, 32 // (2 * world))))
     if uneven:
         seq = world * draw(st.integers(1, max(1, 32 // world))) + draw(st.integers(1, world - 1))

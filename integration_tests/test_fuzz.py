@@ -51,6 +51,7 @@ CONFIGS = [  # (P, variant, variant_options, lengths P does not divide)
     (4, "ring", {"balance_chunk": 1}, False),
     (4, "hybrid", {"ulysses_degree": 2, "balance_chunk": 1}, False),
     (3, "ring", {}, True),
+    (3, "ulysses", {}, True),  # heads 4 and 8 padded to multiples of 3
     (4, "ulysses", {}, True),
     (4, "hybrid", {"ulysses_degree": 2, "balance_chunk": 1}, True),
 ]
