@@ -140,3 +140,27 @@ def test_a_compile_that_raises_inside_a_functorch_level_leaves_none_behind() -> 
             raise RuntimeError("mid-transform")
     assert torch._C._functorch.get_dynamic_layer_stack_depth() == depth
     assert torch.ones(2).tolist() == [1.0, 1.0]  # a plain tensor with storage, not a functorch wrapper
+
+
+class _Backbone(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.pooler = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.body(x).tanh()
+        return h, self.pooler(h[:, 0])
+
+
+def test_a_graph_compiled_whole_leaves_unreached_parameters_without_a_gradient(crashing_pass) -> None:
+    # The pooler feeds only the output the caller discards: eager leaves its .grad None, AOT autograd
+    # alone gives zeros (autosp.discarded_outputs).
+    crashing_pass.append(RuntimeError("internal assert in a pass"))
+    torch.manual_seed(0)
+    eager, x = _Backbone(), torch.randn(2, 3, 4)
+    model = copy.deepcopy(eager)
+    with pytest.warns(autosp.CompiledWhole):
+        autosp.compile(model, sp_size=1, backend="aot_eager")(x)[0].sum().backward()
+    eager(x)[0].sum().backward()
+    assert model.pooler.weight.grad is None and eager.pooler.weight.grad is None
+    assert_close(model.body.weight.grad, eager.body.weight.grad)

@@ -167,12 +167,21 @@ def compile_whole(
 def compile_after_crash(
     gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: SPOptions, report: Report, error: Exception
 ) -> Callable[..., Any]:
-    """``compile_whole`` after AutoSP's compile raised ``error``; ``error`` itself where torch fails too."""
+    """``compile_whole`` after AutoSP's compile raised ``error``; ``error`` itself where torch fails too.
+
+    A parameter reached only through outputs the caller discards keeps ``.grad`` None here too
+    (``autosp.discarded_outputs``): the graph holds no written tensor (else it is not lowered at all),
+    so it can be lowered apart for that analysis, which gives up quietly where the lowering fails.
+    """
+    from autosp.compiler import _fake_inputs
+    from autosp.discarded_outputs import drop_discarded, reach_alone
+
     try:
-        return compile_whole(gm, example_inputs, options, report)
+        fn = compile_whole(gm, example_inputs, options, report)
     except Exception as whole_error:
         add_note(error, f"torch's {options.backend} alone fails on this graph too: {first_line(whole_error)[:300]}")
         raise error from None
+    return drop_discarded(fn, reach_alone(gm, *_fake_inputs(gm, example_inputs)))
 
 
 def compile_holding_writes(
