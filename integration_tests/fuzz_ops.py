@@ -20,7 +20,7 @@ VOCAB = 32  # token ids and LM targets
 CLASSES = 3
 
 # Simplest first in every list: hypothesis shrinks towards the first element.
-MASKS = ("none", "causal", "bool_causal", "additive_causal", "window", "padding", "document")
+MASKS = ("none", "causal", "bool_causal", "additive_causal", "window", "padding", "document", "alibi")
 TENSOR_MASKS = MASKS[2:]
 SEQ_OPS = (
     "drop_first",
@@ -180,6 +180,10 @@ class Attention(nn.Module):
             return torch.zeros(s, s, device=device).masked_fill(~causal, torch.finfo(torch.float32).min), False
         if self.mask == "window":
             return causal & (i[:, None] - i[None, :] < 3), False
+        if self.mask == "alibi":  # a per-head additive bias [1, H, S, S]: ALiBi's slopes, causal
+            slopes = 2.0 ** -torch.arange(1, self.heads + 1, device=device, dtype=torch.float32)
+            bias = -(i[:, None] - i[None, :]).float() * slopes[:, None, None]
+            return bias.masked_fill(~causal, float("-inf"))[None], False
         if self.mask == "document":  # packed sequences: causal within each document of the ``doc`` input
             doc = fit(batch["doc"], s)
             return ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None], False

@@ -52,6 +52,7 @@ CONFIGS = [  # (P, variant, variant_options, lengths P does not divide)
     (4, "hybrid", {"ulysses_degree": 2, "balance_chunk": 1}, False),
     (3, "ring", {}, True),
     (3, "ulysses", {}, True),  # heads 4 and 8 padded to multiples of 3
+    (3, "hybrid", {"ulysses_degree": 3}, False),  # the same padding inside hybrid's ulysses group
     (4, "ulysses", {}, True),
     (4, "hybrid", {"ulysses_degree": 2, "balance_chunk": 1}, True),
 ]

@@ -38,12 +38,34 @@ class WindowLlama(LlamaLike):
         self.blocks = torch.nn.ModuleList(WindowBlock(c) for _ in range(c.layers))
 
 
+class AlibiBlock(LlamaBlock):
+    """LlamaBlock with ALiBi: a per-head additive bias [1, H, S, S] (causal in it) as SDPA's mask."""
+
+    def attention(self, q, k, v, mask):
+        heads, s = q.shape[1], q.shape[2]
+        k, v = (x.repeat_interleave(heads // x.shape[1], 1) for x in (k, v))
+        i = torch.arange(s, device=q.device)
+        slopes = 2.0 ** -torch.arange(1, heads + 1, device=q.device, dtype=q.dtype)
+        bias = -(i[:, None] - i[None, :]).to(q.dtype) * slopes[:, None, None]
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=bias.masked_fill(i[None, :] > i[:, None], -torch.inf)[None]
+        )
+
+
+class AlibiLlama(LlamaLike):
+    def __init__(self, c: Config) -> None:
+        super().__init__(c)
+        self.blocks = torch.nn.ModuleList(AlibiBlock(c) for _ in range(c.layers))
+
+
 def build(name: str) -> torch.nn.Module:
     torch.manual_seed(0)
     if name == "llama":  # causal, GQA 4:2 (repeat_kv in the model)
         return LlamaLike(Config(dim=32, hidden=64))
     if name == "llama-h3":  # 3 heads: divisible by neither 2 nor 4 ranks; MQA
         return LlamaLike(Config(dim=24, heads=3, kv_heads=1, hidden=48))
+    if name == "alibi-h3":  # 3 heads with a per-head bias: hybrid pads the bias's heads too
+        return AlibiLlama(Config(dim=24, heads=3, kv_heads=1, hidden=48))
     if name == "llama-mqa":
         return LlamaLike(Config(dim=32, heads=4, kv_heads=1, hidden=64))
     if name == "gpt2":
@@ -56,6 +78,10 @@ def build(name: str) -> torch.nn.Module:
         import autosp_window  # noqa: F401
 
         return WindowLlama(Config(dim=32, hidden=64, window=9))
+    if name == "window-op-h3":  # a plugin op over 3 heads: hybrid pads SDPA's heads only
+        import autosp_window  # noqa: F401
+
+        return WindowLlama(Config(dim=24, heads=3, kv_heads=1, hidden=48, window=9))
     raise KeyError(name)
 
 

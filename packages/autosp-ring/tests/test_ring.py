@@ -38,7 +38,10 @@ JOBS_2 = [
     ("window-op", "ring", None),
     ("llama-mask", "ring", None),
     ("llama-h3", "hybrid", HYB),
+    ("alibi-h3", "hybrid", HYB),
+    ("window-op-h3", "hybrid", HYB),  # refused: a plugin op may read the head index
 ]
+REFUSED = {("window-op-h3", "hybrid")}
 JOBS_4 = [
     ("llama", "ring", None),
     ("llama-h3", "ring", None),
@@ -46,11 +49,11 @@ JOBS_4 = [
     ("llama", "hybrid", HYB),
     ("llama-mqa", "hybrid", HYB),
     ("window-op", "hybrid", HYB),
+    ("llama-h3", "hybrid", HYB),  # 3 heads padded to 4 in each ulysses group of 2, ring of 2
 ]
 # Left to other suites, for time (four processes on two cores): a non-causal encoder under hybrid,
 # and a model-built mask under hybrid (integration_tests: test_fuzz's hybrid P=4 draws from every mask
 # kind, test_packed_documents runs hybrid at P=4).
-FAILING = {("llama-h3", "hybrid")}
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +63,7 @@ def batch():
 
 @pytest.fixture(scope="module")
 def refs(batch):
-    names = {n for n, v, _ in JOBS_2 + JOBS_4 if (n, v) not in FAILING}
+    names = {n for n, v, _ in JOBS_2 + JOBS_4 if (n, v) not in REFUSED}
     return {n: rc.reference(n, batch) for n in names}
 
 
@@ -99,7 +102,7 @@ def _assert_matches(result: dict, ref: dict, what: str) -> None:
 def _check_jobs(per_rank: list[dict], jobs: list[tuple], refs: dict) -> None:
     for rank, results in enumerate(per_rank):
         for name, variant, _ in jobs:
-            if (name, variant) in FAILING:
+            if (name, variant) in REFUSED:
                 continue
             r = results[f"{name}/{variant}"]
             _assert_matches(r, refs[name], f"{name}/{variant} rank {rank}")
@@ -177,8 +180,19 @@ def test_gqa_sends_kv_heads_only(two):
 
 def test_compile_time_errors(two):
     for rank in range(2):
-        err = two[rank]["llama-h3/hybrid"]["error"]
-        assert "not divisible by ulysses_degree=2" in err, err
+        err = two[rank]["window-op-h3/hybrid"].get("error", "")
+        assert "3 query heads, not divisible by ulysses_degree=2" in err, err
+
+
+def test_hybrid_pads_heads_its_ulysses_degree_does_not_split(two, refs):
+    # 3 heads over ulysses_degree=2 (once refused): padded to 4, k/v's 3 heads too; exact (test_ring_two_ranks).
+    # With a per-head bias (ALiBi's), its padding heads mask nothing.
+    for rank in range(2):
+        for name in ("llama-h3", "alibi-h3"):
+            r = two[rank][f"{name}/hybrid"]
+            assert "error" not in r, r.get("error")
+            padded = [n for n in r["notes"] if "3 heads padded to 4 to split over ulysses_degree=2" in n]
+            assert len(padded) == r["sites"], (name, r["notes"])
 
 
 @_per_world("test_causal_work_is_balanced_by_the_zigzag_layout")

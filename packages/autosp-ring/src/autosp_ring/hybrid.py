@@ -8,6 +8,9 @@ heads on consecutive spans, and the inverse all-to-all restores chunk p. A lengt
 divide leaves chunks one token apart: they cross the ulysses group padded to the longest and the
 ring carries spans of different lengths (``uneven_pieces``).
 Subgroups are made once per (SP group, U) by a compile-time pass, on every rank.
+SDPA heads that U does not divide travel padded with zero heads, as under Ulysses
+(``autosp_ulysses.attention``): k/v repeated to the query heads first, the padding cut from the
+output. FlexAttention's mods may read the head index, so it still needs U to divide the heads.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from autosp import flex_blocks
 from autosp.analysis.attention import AttentionSite
 from autosp.context import CompileContext
 from autosp.errors import AutoSPError, ConfigError
-from autosp.lowering import FLEX
+from autosp.lowering import FLEX, SDPA
 from autosp.options import group_timeout
 from autosp.passes.core import leave_to_engine
 from autosp.sharding import collectives as C
@@ -81,6 +84,8 @@ def make_groups(ctx: CompileContext) -> Groups:
     """
     u = ulysses_degree(ctx.options.variant_options, ctx.world)
     for site in list(ctx.sites):
+        if site.spec is SDPA:
+            continue  # heads U does not divide travel padded (``_padded``)
         try:
             _check_heads(site, u)
         except AutoSPError as e:
@@ -144,6 +149,36 @@ def qkv_to_heads(
     sizes = [x.shape[1] // u for x in (q, k, v)]
     packed = torch.cat([x.unflatten(1, (u, n)) for x, n in zip((q, k, v), sizes)], 2).flatten(1, 2)
     return tuple(C.all_to_all(packed.contiguous(), 1, 2, g.ulysses).split(sizes, 1))
+
+
+def _padded(
+    ctx: SPContext, site: AttentionSite, qkv: tuple[torch.Tensor, ...], mask: torch.Tensor | None, u: int
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None, int]:
+    """q, k, v ([B, H*, S/P, D]) and a per-head mask padded with zero heads to a multiple of ``u``, and that count.
+
+    k/v are repeated to the query heads first: after padding, the query heads of one member would
+    read kv heads that no whole number of kv heads per member holds. A per-head mask gets padding
+    heads that mask nothing (kernels disagree on a fully masked row).
+    """
+    heads = site.heads
+    count = -(-heads // u) * u
+    if count == heads:
+        return qkv, mask, heads
+    ctx.notes.append(
+        f"attention {site.name}: {heads} heads padded to {count} to split over ulysses_degree={u} "
+        f"({100 * (count - heads) / heads:.0f}% more attention compute)"
+    )
+
+    def pad(x: torch.Tensor, fill: bool | float = 0) -> torch.Tensor:
+        shape = list(x.shape)
+        shape[1] = count - x.shape[1]
+        return torch.cat([x, x.new_full(shape, fill)], 1)
+
+    q, k, v = qkv
+    k, v = (x.repeat_interleave(heads // x.shape[1], 1) if x.shape[1] != heads else x for x in (k, v))
+    if mask is not None and mask.shape[1] == heads and heads > 1:
+        mask = pad(mask, mask.dtype == torch.bool)
+    return (pad(q), pad(k), pad(v)), mask, count
 
 
 def hybrid_flex_rule(ctx: SPContext, node: torch.fx.Node, site: AttentionSite, args: tuple, kwargs: dict) -> Any:
@@ -220,12 +255,13 @@ def hybrid_attention_rule(ctx: SPContext, node: torch.fx.Node, site: AttentionSi
     # Uneven pieces cross the ulysses group padded to the longest (``autosp.sharding.padded``); the
     # ring then carries spans of different lengths, which its op reads by ``sizes``.
     members, spans = uneven_pieces(length, ctx.world, g.degree, ring_index) or (None, None)
+    mask = whole_mask(ctx, site, call)
+    (q, k, v), mask, heads = _padded(ctx, site, (q, k, v), mask, g.degree)
     ctx.note("all_to_all")
     qs, ks, vs = (padded.pad_own(x, 2, members) for x in (q, k, v))
-    qh, kh, vh = (padded.keep_real(x, 2, members) for x in qkv_to_heads(qs, ks, vs, site.heads, g, rank_u))
-    mask = whole_mask(ctx, site, call)
+    qh, kh, vh = (padded.keep_real(x, 2, members) for x in qkv_to_heads(qs, ks, vs, heads, g, rank_u))
     if mask is not None and mask.shape[1] > 1:
-        per = site.heads // g.degree
+        per = heads // g.degree
         mask = mask.narrow(1, rank_u * per, per).contiguous()  # the heads this rank attends for
     # Every rank of a ring group holds the same heads (ranks[j::U]), so the same mask and plan.
     balance = balance_chunk(ctx.variant_options)
@@ -233,7 +269,7 @@ def hybrid_attention_rule(ctx: SPContext, node: torch.fx.Node, site: AttentionSi
         qh, kh, vh, call.causal, call.scale, call.window, False, g.ring, mask, balance, spans
     )
     back = C.all_to_all(padded.pad_each(out, 2, members).contiguous(), 2, 1, g.ulysses)
-    back = padded.cut_own(back, 2, members, rank_u)
+    back = padded.cut_own(back, 2, members, rank_u).narrow(1, 0, site.heads)
     return SPValue(from_bhsd(site, back), Shard(SeqAxis(sdim, length), ctx.even_ranges(length)), node.meta["val"])
 
 
