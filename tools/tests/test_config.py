@@ -45,7 +45,6 @@ def config(argv: list[str]):  # noqa: ANN201 - TrainConfig
         (["--dp", "0"], r"--dp 0 must be positive"),
         (["--dim", "60"], r"--dim 60 must be divisible by --heads 4 with an even head size"),
         (["--heads", "4", "--kv-heads", "3"], r"--heads 4 must be a multiple of --kv-heads 3"),
-        (["--sp-size", "4", "--heads", "2", "--dim", "64"], r"--heads 2 is not divisible by --sp-size 4"),
         (["--backend", "none", "--sp-size", "1", "--show-report"], r"--show-report prints AutoSP's report"),
         (["--stop-at", "11"], r"--stop-at 11 must be between 1 and --steps 10"),
     ],
@@ -84,6 +83,13 @@ def test_a_length_the_ranks_split_unevenly_is_taken(variant: str) -> None:
     # Once refused under hybrid; every built-in variant takes pieces one token apart now.
     cfg = config(["--seq-len", "63", "--sp-size", "4", "--variant", variant])
     assert (cfg.seq_len, cfg.sp_size) == (63, 4)
+
+
+@pytest.mark.parametrize("variant", ["ulysses", "hybrid"])
+def test_heads_the_ranks_do_not_split_are_taken(variant: str) -> None:
+    # Once refused under Ulysses: SDPA's heads travel padded to a multiple of the ranks now.
+    cfg = config(["--sp-size", "4", "--heads", "2", "--dim", "64", "--variant", variant])
+    assert (cfg.sp_size, cfg.model.heads) == (4, 2)
 
 
 def test_given_values_are_kept() -> None:

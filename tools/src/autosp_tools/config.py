@@ -277,11 +277,6 @@ def _check_parallel(ns: argparse.Namespace, heads: int, errors: list[str]) -> in
             f"--batch-size {ns.batch_size} must be divisible by the {nproc // sp} SP groups "
             f"({where} {nproc} / --sp-size {sp}), which train on different rows"
         )
-    if ns.variant == "ulysses" and sp > 1 and heads % sp:
-        errors.append(
-            f"--heads {heads} is not divisible by --sp-size {sp}: Ulysses gives each rank heads/sp_size "
-            "heads; pick an sp-size that divides the head count, or --variant ring"
-        )
     if ns.backend == "none" and sp > 1:
         errors.append("--backend none runs without AutoSP, so it needs --sp-size 1")
     if ns.backend == "none" and ns.show_report:

@@ -290,7 +290,7 @@ def sac_kernels(device: str, quick: bool) -> dict[str, Any]:
 def plan_vs_measured(device: str, quick: bool) -> dict[str, Any]:
     """Predicted saved bytes and peak against the measured ones: sp=1, and rank 0 of sp=8 under a fake group."""
     dtype = "bf16" if device == "cuda" else "fp32"
-    model = replace(TINY, heads=8) if quick else SHIPPED  # Ulysses at sp=8 needs 8 query heads
+    model = replace(TINY, heads=8) if quick else SHIPPED  # 8 query heads: Ulysses at sp=8 pads none
     seqs = (1024,) if quick else (4096,)  # tokens per rank: longer ones did not fit the lease with the rest
     out: dict[str, Any] = {}
     # Quick: only sp=8 under a fake group (sp=1 runs the same measure() in one process).
