@@ -89,6 +89,7 @@ def reach(gm: torch.fx.GraphModule) -> Reach | None:
 def _differentiable_outputs(gm: torch.fx.GraphModule) -> int:
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     values = [v.meta.get("example_value") for v in torch.utils._pytree.tree_leaves(output.args[0])]
+    # A value Dynamo recorded no tensor for counts too: unknown, so not ruled out.
     return sum(1 for v in values if not isinstance(v, torch.Tensor) or v.requires_grad)
 
 
