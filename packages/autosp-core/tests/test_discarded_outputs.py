@@ -203,3 +203,18 @@ def test_one_rank_analyses_only_graphs_with_two_differentiable_outputs() -> None
     assert seen[0] is None and seen[1] is None  # one output carries a gradient: nothing to drop
     both, sin = seen[2].outputs if seen[2] is not None else (0, 0)
     assert sin and both & sin == sin != both  # x.sin() reaches x alone, x @ w reaches x and w
+
+
+def test_one_rank_leaves_a_dynamic_graph_general() -> None:
+    # Lowering on Dynamo's symbolic fakes added guards to its shape environment: a recompile per length.
+    import autosp
+
+    torch.manual_seed(0)
+    eager = Backbone()
+    model = copy.deepcopy(eager)
+    torch._dynamo.reset()
+    compiled = autosp.compile(model, backend="aot_eager")
+    for seq in (3, 5, 7):  # the second length recompiles with a symbolic one, which the third reuses
+        x = torch.randn(2, seq, 4)
+        torch.testing.assert_close(compiled(x)["hidden"], eager(x)["hidden"])
+    assert len(compiled.autosp_reports) == 2

@@ -17,7 +17,8 @@ Two halves:
   a gradient reaches.
 
 A program on one rank is not lowered by the passes; ``reach_alone`` lowers it for this analysis
-only, where two or more outputs carry a gradient (with one, nothing can be dropped).
+only, where two or more outputs carry a gradient (with one, nothing can be dropped) and its sizes
+are static (its guards would otherwise specialise a dynamic graph).
 
 Invariant: only a gradient that is exactly zero by construction becomes ``None``. Whatever is not
 understood (an output that cannot be hooked, an edge of the backward node that matches no input, a
@@ -93,10 +94,22 @@ def _differentiable_outputs(gm: torch.fx.GraphModule) -> int:
     return sum(1 for v in values if not isinstance(v, torch.Tensor) or v.requires_grad)
 
 
+def _symbolic(values: Sequence[Any]) -> bool:
+    return any(
+        isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and not all(isinstance(n, int) for n in v.shape))
+        for v in values
+    )
+
+
 def reach_alone(gm: torch.fx.GraphModule, fake_inputs: Sequence[Any], fake_mode: Any) -> Reach | None:
     """``reach`` of Dynamo's graph ``gm`` lowered apart (one rank: the passes do not lower it); ``None``
-    where nothing can be dropped or the lowering fails (the compiled gradients are then kept as they are)."""
-    if _differentiable_outputs(gm) < 2:
+    where nothing can be dropped, the graph has symbolic sizes, or the lowering fails (the compiled
+    gradients are then kept as they are).
+
+    Symbolic sizes are left alone: lowering on Dynamo's fakes would add its guards to Dynamo's
+    shape environment, specialising a graph that torch alone keeps general (a recompile per length).
+    """
+    if _differentiable_outputs(gm) < 2 or _symbolic(fake_inputs):
         return None
     from autosp.lowering import lower_to_aten
 
