@@ -27,6 +27,7 @@ from typing import Any
 
 from autosp.analysis.attention import AttentionSite, hint
 from autosp.hardware import HardwareProfile
+from autosp.sharding.padded import heads_multiple
 
 BACKWARD_FACTOR = 2.5  # flash-style backward: about 2.5x the forward's FLOPs
 # HBM bytes per score element of the ring op's unfused fp32 blocks, forward: scores written,
@@ -110,7 +111,7 @@ def ulysses(sites: list[AttentionSite], world: int, hw: HardwareProfile) -> Esti
     for site in sites:
         z = _Sizes.of(site)
         # Heads the ranks do not split travel padded to a multiple of them, k/v repeated to the query heads.
-        h = -(-z.h // world) * world
+        h = heads_multiple(z.h, world)
         if h != z.h:
             kv = h
         else:

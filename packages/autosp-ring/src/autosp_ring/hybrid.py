@@ -154,31 +154,19 @@ def qkv_to_heads(
 def _padded(
     ctx: SPContext, site: AttentionSite, qkv: tuple[torch.Tensor, ...], mask: torch.Tensor | None, u: int
 ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None, int]:
-    """q, k, v ([B, H*, S/P, D]) and a per-head mask padded with zero heads to a multiple of ``u``, and that count.
-
-    k/v are repeated to the query heads first: after padding, the query heads of one member would
-    read kv heads that no whole number of kv heads per member holds. A per-head mask gets padding
-    heads that mask nothing (kernels disagree on a fully masked row).
-    """
+    """q, k, v ([B, H*, S/P, D]) and a per-head mask with heads a multiple of ``u``
+    (``autosp.sharding.padded.pad_heads``), and that count."""
     heads = site.heads
-    count = -(-heads // u) * u
+    count = padded.heads_multiple(heads, u)
     if count == heads:
         return qkv, mask, heads
     ctx.notes.append(
         f"attention {site.name}: {heads} heads padded to {count} to split over ulysses_degree={u} "
         f"({100 * (count - heads) / heads:.0f}% more attention compute)"
     )
-
-    def pad(x: torch.Tensor, fill: bool | float = 0) -> torch.Tensor:
-        shape = list(x.shape)
-        shape[1] = count - x.shape[1]
-        return torch.cat([x, x.new_full(shape, fill)], 1)
-
-    q, k, v = qkv
-    k, v = (x.repeat_interleave(heads // x.shape[1], 1) if x.shape[1] != heads else x for x in (k, v))
     if mask is not None and mask.shape[1] == heads and heads > 1:
-        mask = pad(mask, mask.dtype == torch.bool)
-    return (pad(q), pad(k), pad(v)), mask, count
+        mask = padded.pad_mask_heads(mask, 1, count)
+    return padded.pad_heads(*qkv, count, 1), mask, count
 
 
 def hybrid_flex_rule(ctx: SPContext, node: torch.fx.Node, site: AttentionSite, args: tuple, kwargs: dict) -> Any:

@@ -35,6 +35,7 @@ from autosp.errors import AutoSPError, ConfigError
 from autosp.lowering import SDPA, sdpa_args
 from autosp.sharding import collectives as C
 from autosp.sharding.context import SPContext, SPValue, global_like
+from autosp.sharding.padded import heads_multiple, pad_heads, pad_mask_heads
 from autosp.sharding.placement import Replicate, SeqAxis, Shard, is_even
 from autosp.sharding.redistribute import gather
 from autosp_ulysses import uneven
@@ -186,11 +187,8 @@ def kv_heads(ctx: SPContext, v: SPValue, q_heads: int, hdim: int, sdim: int) -> 
 
 
 def _mask_heads(ctx: SPContext, mask: Any, heads: int, hdim: int, padded: int | None = None) -> tuple[Any, int | None]:
-    """This rank's part of the mask, and its head dim when it has one (else None).
-
-    With ``padded`` heads (``pad_heads``) a per-head mask gets the padding heads too, masking
-    nothing: kernels disagree on a fully masked row (CPU's gives zeros, the math path NaN).
-    """
+    """This rank's part of the mask, and its head dim when it has one (else None); a per-head mask
+    gets the padding heads (``padded`` heads in all)."""
     if not isinstance(mask, SPValue):
         return mask, None
     full = gather(ctx, mask) if not isinstance(mask.placement, Replicate) else mask.local
@@ -198,40 +196,23 @@ def _mask_heads(ctx: SPContext, mask: Any, heads: int, hdim: int, padded: int | 
     d = hdim + offset
     if d >= 0 and mask.gval.shape[d] == heads and heads > 1:
         if padded is not None and padded != heads:
-            full = _append_heads(full, d, padded - heads, fill=full.dtype == torch.bool)
-            heads = padded
+            full, heads = pad_mask_heads(full, d, padded), padded
         lo, hi = _head_range(ctx, heads)
         return full.narrow(d, lo, hi - lo), d
     return full, None
 
 
-def _append_heads(x: torch.Tensor, hdim: int, n: int, fill: bool | float = 0) -> torch.Tensor:
-    shape = list(x.shape)
-    shape[hdim] = n
-    return torch.cat([x, x.new_full(shape, fill)], hdim)
+def _pad_values(ctx: SPContext, values: list[SPValue], heads: int, hdim: int) -> list[SPValue]:
+    """q, k and v with ``heads_multiple(heads, P)`` heads each (``autosp.sharding.padded.pad_heads``).
 
-
-def padded_heads(heads: int, world: int) -> int:
-    """``heads`` rounded up to a multiple of ``world``."""
-    return -(-heads // world) * world
-
-
-def pad_heads(ctx: SPContext, values: list[SPValue], heads: int, hdim: int) -> list[SPValue]:
-    """q, k and v with ``padded_heads(heads)`` heads each: k/v repeated to ``heads`` (GQA), then zero heads.
-
-    Padding is local (the heads axis is not the sharded one), so placements are unchanged. k and v
-    are repeated first because after padding rank r's query heads would use kv heads that no
-    whole number of kv heads per rank holds.
+    Padding is local (the heads axis is not the sharded one), so placements are unchanged.
     """
-    padded = padded_heads(heads, ctx.world)
+    count = heads_multiple(heads, ctx.world)
     out = []
-    for v in values:
-        have = int(v.gval.shape[hdim])
-        if have != heads:
-            v = _repeat_heads(v, hdim, heads // have)
+    for v, local in zip(values, pad_heads(*(x.local for x in values), count, hdim)):
         gshape = list(v.gval.shape)
-        gshape[hdim] = padded
-        out.append(SPValue(_append_heads(v.local, hdim, padded - heads), v.placement, global_like(v.gval, gshape)))
+        gshape[hdim] = count
+        out.append(SPValue(local, v.placement, global_like(v.gval, gshape)))
     return out
 
 
@@ -344,11 +325,11 @@ def ulysses_attention(ctx: SPContext, node: torch.fx.Node, site: AttentionSite, 
     else:
         q, k, v = (args[i] for i in spec.qkv)
         a = None
-    heads = padded_heads(site.heads, ctx.world)
+    heads = heads_multiple(site.heads, ctx.world)
     if heads != site.heads:
         if a is None:  # check() refuses it: a plugin op may read its head index
             raise AssertionError(f"ulysses: {site.name}'s {site.heads} heads do not split over {ctx.world} ranks")
-        q, k, v = pad_heads(ctx, [q, k, v], site.heads, hdim)
+        q, k, v = _pad_values(ctx, [q, k, v], site.heads, hdim)
         ctx.notes.append(
             f"attention {site.name}: {site.heads} heads padded to {heads} to split over {ctx.world} ranks "
             f"({100 * (heads - site.heads) / site.heads:.0f}% more attention compute"
@@ -386,8 +367,6 @@ __all__ = [
     "finish_heads",
     "from_heads",
     "kv_heads",
-    "pad_heads",
-    "padded_heads",
     "start_heads",
     "to_heads",
     "to_heads_fused",
