@@ -166,7 +166,8 @@ def _padded(
     )
     if mask is not None and mask.shape[1] == heads and heads > 1:
         mask = padded.pad_mask_heads(mask, 1, count)
-    return padded.pad_heads(*qkv, count, 1), mask, count
+    q, k, v = qkv
+    return padded.pad_heads(q, k, v, count, 1), mask, count
 
 
 def hybrid_flex_rule(ctx: SPContext, node: torch.fx.Node, site: AttentionSite, args: tuple, kwargs: dict) -> Any:

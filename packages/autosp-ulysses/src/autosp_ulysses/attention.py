@@ -208,11 +208,12 @@ def _pad_values(ctx: SPContext, values: list[SPValue], heads: int, hdim: int) ->
     Padding is local (the heads axis is not the sharded one), so placements are unchanged.
     """
     count = heads_multiple(heads, ctx.world)
+    q, k, v = (x.local for x in values)
     out = []
-    for v, local in zip(values, pad_heads(*(x.local for x in values), count, hdim)):
-        gshape = list(v.gval.shape)
+    for value, local in zip(values, pad_heads(q, k, v, count, hdim)):
+        gshape = list(value.gval.shape)
         gshape[hdim] = count
-        out.append(SPValue(local, v.placement, global_like(v.gval, gshape)))
+        out.append(SPValue(local, value.placement, global_like(value.gval, gshape)))
     return out
 
 
