@@ -27,6 +27,8 @@ def build(name: str) -> torch.nn.Module:
         return LlamaLike(Config(window=9))
     if name == "llama-mqa":
         return LlamaLike(Config(heads=4, kv_heads=1))
+    if name == "llama-h6":  # 6 heads, 3 kv heads: padded to 8 at P=4
+        return LlamaLike(Config(dim=48, heads=6, kv_heads=3, hidden=96))
     if name == "gpt2":
         return GPT2Like(Config(heads=4))
     if name == "pool":

@@ -98,6 +98,15 @@ def test_three_ranks_pad_heads_they_do_not_split():
         assert len(padded) == r["layers"], (name, r["notes"])
 
 
+@pytest.mark.extended(covered_by="test_three_ranks_pad_heads_they_do_not_split")
+def test_four_ranks_inductor_pads_heads():
+    # 6 heads (3 kv heads, repeated to 6 first) over 4 ranks attend as 8, under Inductor.
+    results = check(4, ["llama-h6"], "inductor")
+    r = results["llama-h6"]
+    assert r["collectives"]["all_to_all"] == 2 * r["layers"], r["collectives"]
+    assert sum("6 heads padded to 8 to split over 4 ranks" in n for n in r["notes"]) == r["layers"], r["notes"]
+
+
 @pytest.mark.extended(
     covered_by="packages/autosp-core/tests/test_grad_sync.py::test_buckets_follow_descending_slots_and_close_at_the_cap"
 )
