@@ -660,6 +660,10 @@ def inputs(name: str, seq: int = 16, batch: int = 2) -> tuple[torch.Tensor, ...]
         "chunk-local",
         "chunk-local-mask",
         "embedding-freq-scaled",
+        "embedding-max-norm-plain",
+        "embedding-max-norm-tied",
+        "embedding-max-norm-twice",
+        "embedding-max-norm-bag",
         "complex-output",
         "attention-dropout",
         "written-dropout",
@@ -1497,6 +1501,32 @@ class FreqScaledEmbedding(LMBase):
         return self.lm_loss(x + self.attn(self.ln(x)), ids)
 
 
+class MaxNormEmbedding(LMBase):
+    """``nn.Embedding(max_norm=...)`` (its lookup renormalises the rows it reads, in place): once refused.
+
+    ``tied``: the head reads the renormalised table too; ``twice``: a second lookup after the first read
+    the table; ``bag``: ``nn.EmbeddingBag(max_norm=...)`` pooling every row's tokens.
+    """
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.embed = nn.Embedding(VOCAB, DIM, max_norm=1.0)  # rows start near norm 5.7: every lookup renorms
+        self.bag = nn.EmbeddingBag(VOCAB, DIM, max_norm=0.5, mode="mean")
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        if self.kind == "twice":
+            x = x + self.embed(ids.flip(1) % 7)
+        if self.kind == "bag":
+            x = x + self.bag(ids)[:, None]
+        x = x + self.attn(self.ln(x))
+        if self.kind != "tied":
+            return self.lm_loss(x, ids)
+        logits = x @ self.embed.weight.T
+        return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+
+
 class ComplexOutput(LMBase):
     """A complex output (an FFT of the logits) differentiated outside: its gradient once came back P times."""
 
@@ -1585,6 +1615,7 @@ BUILDERS.update(
         "eos-pool": lambda s: EosPool(),
         "first-token-broadcast": lambda s: FirstTokenBroadcast(),
         "embedding-freq-scaled": lambda s: FreqScaledEmbedding(),
+        **{f"embedding-max-norm-{k}": (lambda s, k=k: MaxNormEmbedding(k)) for k in ("plain", "tied", "twice", "bag")},
         "complex-output": lambda s: ComplexOutput(),
         "circular-pad": lambda s: CircularPad(),
         "attention-dropout": lambda s: AttentionDropout(written=False),

@@ -642,6 +642,24 @@ def test_a_write_autograd_does_not_record_that_one_read_cannot_state_is_refused(
         assert "probe_models.py" in error, error  # the line
 
 
+# nn.Embedding(max_norm=...) renormalises, in place, the rows its lookup reads (once refused under SP):
+# every rank renormalises the rows of every token, so its table after the call is eager's (compared).
+MAX_NORM = [(f"embedding-max-norm-{kind}", 15, 2) for kind in ("plain", "tied", "twice", "bag")]
+
+
+@pytest.mark.parametrize("variant", ["ulysses", "ring"])
+def test_max_norm_lookups_renormalise_the_rows_of_every_token_on_every_rank(pool: SPMDPool, variant: str) -> None:
+    for where, r in _exact(pool.run(run_probes, MAX_NORM, variant, timeout_s=600), MAX_NORM, variant):
+        assert r["sharded"] == [15] and not r["fallbacks"], (where, r)
+
+
+@pytest.mark.parametrize(("variant", "world", "seq"), [("hybrid", 4, 18), ("ulysses", 3, 16)])
+@pytest.mark.extended(covered_by="test_max_norm_lookups_renormalise_the_rows_of_every_token_on_every_rank")
+def test_max_norm_lookups_under_inductor_on_more_ranks(variant: str, world: int, seq: int) -> None:
+    probes = [(name, seq, 2) for name, _, _ in MAX_NORM]
+    _exact(run_spmd(run_probes, world, probes, variant, "inductor"), probes, f"{variant} inductor P={world}")
+
+
 @pytest.mark.parametrize(
     ("variant", "probes"),
     [

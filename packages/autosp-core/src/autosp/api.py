@@ -23,6 +23,7 @@ from autosp.compile_agreement import (
     agree_on_compile_joining_runs,
     program_text,
 )
+from autosp.embedding_renorm import write_out_renorms
 from autosp.errors import ConfigError, first_line
 from autosp.guards import CALL_INPUTS, GraphRuns, GuardedCall, guard_compiled, guard_graph, naming_comm_failures
 from autosp.hardware import load_profile
@@ -216,6 +217,8 @@ class AutoSPBackend:
         # Lowering would run writes into real tensors the graph holds: left to torch, whole.
         held = writes_held_tensors(gm) if self.world > 1 else []
         untouched = untouched_copy(gm) if not held else None
+        if self.world > 1 and not held:
+            write_out_renorms(gm)  # nn.Embedding(max_norm=...)'s write into the table, for the next step
         # Before the passes: a written input's final values become an output (see autosp.straight_through).
         explicit = make_writes_explicit(gm) if not held else ExplicitWrites()
 

@@ -184,7 +184,8 @@ _EMBEDDING_ARGS = ("input", "weight", "padding_idx", "max_norm", "norm_type", "s
 
 def _unsupported_embedding(bound: dict) -> tuple[str, str] | None:
     if bound.get("max_norm") is not None:
-        # Each rank would renormalise the rows its own tokens look up: the ranks' tables would part.
+        # One autosp.embedding_renorm did not write out (its table or ids not traced tensors): run as it
+        # is, each rank would renormalise the rows its own tokens look up, and the ranks' tables would part.
         return (
             "nn.Embedding with max_norm (it renormalises rows of the table in place during the forward)",
             "Renormalise the rows outside the compiled call (under torch.no_grad(), e.g. after the optimizer "
