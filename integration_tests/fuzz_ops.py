@@ -424,7 +424,7 @@ class GRPOLoss(nn.Module):
         per_token = -torch.exp(logp - logp.detach()) * batch["ref"][:, None] * kept
         if self.norm == "sequence":
             return (per_token.sum(dim=1) / kept.sum(dim=1).clamp(min=1)).mean()
-        return per_token.sum() / kept.sum()
+        return per_token.sum() / kept.sum().clamp(min=1)  # a batch with every label ignored: 0, not 0/0
 
 
 class TokenMSELoss(nn.Module):
