@@ -24,7 +24,7 @@ from autosp.testing.models import SdpaThenFlex
 VOCAB, HEADS = 50, 4
 
 
-def block_mask(kind: str, seq: int, size: int = 16):
+def block_mask(kind: str, seq: int, size: int = 16, heads: int = HEADS):
     """``documents``: causal within three uneven packed documents that cross the ranks' chunks.
     ``per_head``: heads 0 and 1 see their document, heads 2 and 3 a causal window of 24 (a per-head mask).
     ``window``: a sliding window of 40 keys, both directions (no causal block skipping)."""
@@ -40,8 +40,8 @@ def block_mask(kind: str, seq: int, size: int = 16):
     def window(b, h, q, k):
         return (q - k).abs() < 40
 
-    fn, heads = {"documents": (documents, None), "per_head": (per_head, HEADS), "window": (window, None)}[kind]
-    return create_block_mask(fn, None, heads, seq, seq, device="cpu", BLOCK_SIZE=size)
+    fn, per = {"documents": (documents, None), "per_head": (per_head, heads), "window": (window, None)}[kind]
+    return create_block_mask(fn, None, per, seq, seq, device="cpu", BLOCK_SIZE=size)
 
 
 @contextlib.contextmanager
@@ -68,14 +68,17 @@ def run(
     block: int = 16,
     options: dict | None = None,
     sac: bool | str = "auto",
+    heads: int = HEADS,
+    dim: int = 32,
 ) -> dict:
     import autosp
 
     results = {}
     for kind, kv_heads in cases:
         torch.manual_seed(0)
-        model = SdpaThenFlex(kv_heads, lse=lse, contiguous=backend == "inductor")
-        args = (torch.randint(0, VOCAB, (2, seq)), block_mask(kind, seq, block), torch.randint(0, VOCAB, (2, seq)))
+        model = SdpaThenFlex(kv_heads, dim=dim, heads=heads, lse=lse, contiguous=backend == "inductor")
+        mask = block_mask(kind, seq, block, heads)
+        args = (torch.randint(0, VOCAB, (2, seq)), mask, torch.randint(0, VOCAB, (2, seq)))
         grad_mode = contextlib.nullcontext() if grads else torch.no_grad()
         # Inductor's CPU Flex kernel has vectorized code only: the suite's scalar C++ setting breaks it.
         kernels = inductor_config.patch({"cpp.simdlen": None, "cpp.vec_isa_ok": None})
@@ -112,21 +115,21 @@ class FlexCaptures(torch.nn.Module):
     ``score_mod``; document ids made from the input tokens (a new document after each token 0) in
     ``score_mod``; a causal block mask."""
 
-    def __init__(self, seq: int, dim: int = 32) -> None:
+    def __init__(self, seq: int, dim: int = 32, heads: int = HEADS) -> None:
         super().__init__()
-        self.seq = seq
+        self.seq, self.heads = seq, heads
         self.emb = torch.nn.Embedding(VOCAB, dim)
         self.qkv = torch.nn.Linear(dim, 3 * dim)
         self.out = torch.nn.Linear(dim, dim)
         self.head = torch.nn.Linear(dim, VOCAB)
-        self.bias = torch.nn.Parameter(torch.randn(HEADS, 2 * seq - 1) * 0.3)
+        self.bias = torch.nn.Parameter(torch.randn(heads, 2 * seq - 1) * 0.3)
 
     def forward(self, idx: torch.Tensor, block_mask, labels: torch.Tensor) -> torch.Tensor:
         from torch.nn.attention.flex_attention import flex_attention
 
         x = self.emb(idx)
         b, s, d = x.shape
-        q, k, v = self.qkv(x).view(b, s, 3, HEADS, d // HEADS).permute(2, 0, 3, 1, 4)
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
         docs = (idx == 0).cumsum(-1)
         bias, far = self.bias, self.seq - 1
 
@@ -139,11 +142,13 @@ class FlexCaptures(torch.nn.Module):
         return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
 
 
-def run_captures(rank: int, world: int, variant: str, seq: int) -> dict:
+def run_captures(
+    rank: int, world: int, variant: str, seq: int, heads: int = HEADS, dim: int = 32, options: dict | None = None
+) -> dict:
     import autosp
 
     torch.manual_seed(0)
-    model = FlexCaptures(seq)
+    model = FlexCaptures(seq, dim, heads)
     idx = torch.randint(1, VOCAB, (2, seq))
     idx[0, seq // 3] = idx[1, seq // 5] = idx[1, seq // 2 + 3] = 0
     causal = create_block_mask(lambda b, h, q, k: k <= q, None, None, seq, seq, device="cpu", BLOCK_SIZE=16)
@@ -154,11 +159,16 @@ def run_captures(rank: int, world: int, variant: str, seq: int) -> dict:
         reference.backward()
         expected = {n: p.grad.clone() for n, p in model.named_parameters()}
         model.zero_grad(set_to_none=True)
-        loss = autosp.compile(model, sp_size=world, backend="aot_eager", variant=variant)(*args)
+        compiled = autosp.compile(
+            model, sp_size=world, backend="aot_eager", variant=variant, variant_options=options or {}
+        )
+        loss = compiled(*args)
         loss.backward()
     return {
         "loss": loss.detach(),
         "reference": reference.detach(),
         "grads": {n: p.grad for n, p in model.named_parameters()},
         "expected": expected,
+        "notes": [n for r in compiled.autosp_reports for n in r.notes],
+        "fallbacks": [f for r in compiled.autosp_reports for f in r.fallbacks],
     }

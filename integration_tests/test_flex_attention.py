@@ -101,6 +101,37 @@ def test_hybrid_runs_flex_attention_whole_at_a_length_the_ranks_split_unevenly()
             assert got["collectives"]["ring_attention"] == 1, got["collectives"]
 
 
+# Heads the ranks do not split travel padded, as SDPA's do (once refused): 3 heads over 2 ranks attend
+# as 4, 4 over 3 as 6. A padding head takes the last real head's blocks and index in both mods (a slope
+# per head, a per-head block mask, a learned bias table indexed by head, out of range without it), and
+# its results (output and log-sum-exp) are cut.
+def _padded(per_rank: list[dict], heads: int, count: int) -> None:
+    for results in per_rank:
+        for case, got in results.items():
+            # Under Ulysses the log-sum-exp stays head-sharded, its real heads only; its use gathers it.
+            assert all("head-sharded input gathered" in f for f in got["fallbacks"]), (case, got["fallbacks"])
+            assert any(f"{heads} heads padded to {count}" in n for n in _flex_notes(got)), (case, got["notes"])
+
+
+def test_ulysses_pads_flex_heads_the_ranks_do_not_split():
+    _padded(_check(2, "ulysses", [("per_head", 3), ("documents", 1)], lse=True, heads=3, dim=24), 3, 4)
+    for rank, got in enumerate(run_spmd(run_captures, 2, "ulysses", 128, 3, 24)):
+        _matches_eager(got, f"captures rank {rank}")
+        _padded([{"captures": got}], 3, 4)
+
+
+@pytest.mark.extended(covered_by="test_ulysses_pads_flex_heads_the_ranks_do_not_split")
+def test_flex_heads_padded_on_three_and_four_ranks():
+    # Ulysses: 4 heads over 3 ranks, the third rank's heads all padding. Hybrid: 3 heads over ulysses
+    # groups of 2, k and v of 3 (or 1) heads repeated to the query heads first.
+    _padded(_check(3, "ulysses", CASES, seq=96, lse=True), 4, 6)
+    hybrid = {"ulysses_degree": 2}
+    _padded(_check(4, "hybrid", [("per_head", 3), ("documents", 1)], lse=True, heads=3, dim=24, options=hybrid), 3, 4)
+    for rank, got in enumerate(run_spmd(run_captures, 4, "hybrid", 128, 3, 24, hybrid)):
+        _matches_eager(got, f"captures hybrid rank {rank}")
+        _padded([{"captures": got}], 3, 4)
+
+
 def test_mods_reading_captured_tensors():
     # A learned bias table (its gradient flows through Flex's backward into the parameter) and
     # document ids made from the input. Lowering crashed on both ("NYI: Functionalize rule for

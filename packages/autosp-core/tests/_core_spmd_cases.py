@@ -53,6 +53,8 @@ def config_errors(rank: int, world: int) -> dict[str, Any]:
     # A variant that splits the sequence into equal pieces only (a plugin's case; ring is blocked here).
     variants = get_registry().variants
     variants["equal-pieces"] = dataclasses.replace(variants["ulysses"], name="equal-pieces", uneven=False)
+    # A plugin's attention op (it may read its head index): Ulysses does not pad its heads.
+    get_registry().attention["heads_op"] = autosp.AttentionSpec("heads_op", targets=(_HEADS_OP, _HEADS_OP.default))
     called: list[str] = []
     saved = {name: getattr(dist, name) for name in COLLECTIVES}
 
@@ -81,10 +83,8 @@ def config_errors(rank: int, world: int) -> dict[str, Any]:
             "bad_backend": lambda: autosp.compile(gpt, sp_size=world, backend="tvm"),
             "group_and_smaller_sp": lambda: autosp.compile(gpt, sp_size=1, group=dist.group.WORLD),
             "seq_not_divisible": lambda: autosp.compile(gpt, backend="aot_eager", variant="equal-pieces")(ids8, ids8),
-            # SDPA pads heads the ranks do not split; FlexAttention may read the head index: refused.
-            "heads_not_divisible": lambda: autosp.compile(_flex_heads, backend="aot_eager")(
-                torch.randn(1, 4, 9, 4), _causal_blocks(9)
-            ),
+            # SDPA and FlexAttention pad heads the ranks do not split; a plugin's op is refused.
+            "heads_not_divisible": lambda: autosp.compile(_plugin_heads, backend="aot_eager")(torch.randn(1, 4, 9, 4)),
             "two_lengths": lambda: autosp.compile(_two_lengths, backend="aot_eager", dynamic=True)(
                 torch.randn(1, 9, 12), torch.randn(1, 6, 12)
             ),
@@ -123,17 +123,22 @@ def _cls_token_encoder(image):
     return torch.nn.functional.scaled_dot_product_attention(q, q, q)[:, :, 0].sum()
 
 
-def _causal_blocks(seq):
-    from torch.nn.attention.flex_attention import create_block_mask
+@torch.library.custom_op("autosp_spmd_cases::heads_op", mutates_args=())
+def _heads_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v)
 
-    return create_block_mask(lambda b, h, q, k: k <= q, None, None, seq, seq, device="cpu")
+
+@_heads_op.register_fake
+def _(q, k, v):
+    return torch.empty_like(q)
 
 
-def _flex_heads(q, blocks):
-    """FlexAttention over 4 heads (the block mask made outside the compiled call)."""
-    from torch.nn.attention.flex_attention import flex_attention
+_HEADS_OP = torch.ops.autosp_spmd_cases.heads_op
 
-    return flex_attention(q, q, q, block_mask=blocks).sum()
+
+def _plugin_heads(q):
+    """A plugin's attention op over 4 heads."""
+    return _heads_op(q, q, q).sum()
 
 
 def _two_lengths(x, memory):

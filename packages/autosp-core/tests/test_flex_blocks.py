@@ -115,6 +115,20 @@ def test_heads_keep_their_meaning():
     assert torch.equal(_meaning(local, 2), whole[:, 2:4, 32:64])
 
 
+def test_padding_heads_mean_the_last_real_head():
+    # 4 heads padded to 6 (over 3 ranks): the third rank's two heads are padding, the second's second
+    # too under 3 heads padded to 4. Each padding head's blocks and mask_mod index are the last real head's.
+    block = _mask("per_head")
+    whole = _meaning(block, HEADS)
+    local = flex_blocks.heads_of(block, HEADS, 4, 6)
+    assert torch.equal(_meaning(local, 2), whole[:, [3, 3]])
+    local = flex_blocks.heads_of(block, HEADS, 2, 5)
+    assert torch.equal(_meaning(local, 3), whole[:, [2, 3, 3]])
+    clamped = flex_blocks.offset(2, heads=4)
+    assert torch.equal(clamped(torch.arange(4)), torch.tensor([2, 3, 3, 3]))
+    assert torch.equal(flex_blocks.offset(2)(torch.arange(4)), torch.tensor([2, 3, 4, 5]))
+
+
 def test_transpose_matches_torch():
     torch.manual_seed(0)
     dense = torch.rand(2, 3, 5, 7) < 0.4

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from autosp import AutoSPError
-from autosp.analysis.attention import AttentionSite
+from autosp.analysis.attention import AttentionSite, AttentionSpec
 from autosp.lowering import SDPA
 from autosp.registry import build_registry
 from autosp_ulysses import ULYSSES
@@ -21,14 +22,16 @@ def test_registered_through_the_entry_point():
     assert "autosp-ulysses" in reg.plugin_names()
 
 
-def test_heads_must_divide_sp_size_only_where_the_attention_op_is_not_sdpa():
+def test_heads_must_divide_sp_size_only_where_the_attention_op_is_a_plugins():
     from autosp.lowering import FLEX
 
     ULYSSES.check(_site(8, 2), 4)  # 2 kv heads on 4 ranks are replicated, not an error
     ULYSSES.check(_site(6, 2), 4)  # SDPA: padded to 8 heads
-    flex = AttentionSite("flex", FLEX, 1, 6, 2, 64, 64, 16, True, None, None)
+    ULYSSES.check(AttentionSite("flex", FLEX, 1, 6, 2, 64, 64, 16, True, None, None), 4)  # Flex: padded too
+    plugin = AttentionSpec("plugin_attn", targets=(torch.ops.aten.scaled_dot_product_attention.default,))
+    site = AttentionSite("plugin", plugin, 1, 6, 2, 64, 64, 16, True, None, None)
     with pytest.raises(AutoSPError, match=r"6 query heads, not divisible by sp_size=4.*variant='ring'"):
-        ULYSSES.check(flex, 4)
+        ULYSSES.check(site, 4)
 
 
 @pytest.mark.parametrize(

@@ -45,8 +45,13 @@ def shift_arg(fn: Callable[..., Any], index: int, to_global: Callable[[Any], Any
     return shifted
 
 
-def offset(by: int) -> Callable[[Any], Any]:
-    return lambda i: i + by
+def offset(by: int, heads: int | None = None) -> Callable[[Any], Any]:
+    """Local -> global by adding ``by``. With ``heads`` (the real count, where a variant padded the
+    heads to split them), a padding head maps to the last real one: a mod reading a per-head table
+    stays in range, and the padding heads' results are cut, so what they read is never seen."""
+    if heads is None:
+        return lambda i: i + by
+    return lambda i: torch.clamp(i + by, max=heads - 1)
 
 
 def global_rows(pieces: Pieces) -> Callable[[Any], Any]:
@@ -72,17 +77,21 @@ def _known(block: tuple) -> bool:
 
 
 def heads_of(block: tuple, heads: int, lo: int, hi: int) -> tuple | None:
-    """The block mask for heads ``[lo, hi)``, ``mask_mod`` seeing global heads; None when unknown."""
+    """The block mask for heads ``[lo, hi)``, ``mask_mod`` seeing global heads; None when unknown.
+
+    ``hi`` may pass ``heads`` where a variant padded the heads to split them: each padding head
+    takes the last real head's blocks and index (``offset``), so its scores are finite and in range.
+    """
     if not _known(block):
         return None
     out = list(block)
     for i in BLOCK_TENSORS:
         t = block[i]
         if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[1] == heads and heads > 1:
-            out[i] = t.narrow(1, lo, hi - lo)
+            out[i] = t.narrow(1, lo, hi - lo) if hi <= heads else t[:, [min(h, heads - 1) for h in range(lo, hi)]]
         elif isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[1] != 1:
             return None  # a head dim of another size: not a layout known here
-    out[MASK_MOD] = shift_arg(block[MASK_MOD], MASK_HEAD, offset(lo))
+    out[MASK_MOD] = shift_arg(block[MASK_MOD], MASK_HEAD, offset(lo, heads if hi > heads else None))
     return tuple(out)
 
 

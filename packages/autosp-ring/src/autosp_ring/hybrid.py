@@ -10,7 +10,8 @@ ring carries spans of different lengths (``uneven_pieces``).
 Subgroups are made once per (SP group, U) by a compile-time pass, on every rank.
 SDPA heads that U does not divide travel padded with zero heads, as under Ulysses
 (``autosp_ulysses.attention``): k/v repeated to the query heads first, the padding cut from the
-output. FlexAttention's mods may read the head index, so it still needs U to divide the heads.
+output. FlexAttention pads the same way, its mods seeing the last real head's index in the padding
+heads (``autosp.flex_blocks.heads_of``); a plugin's attention op still needs U to divide the heads.
 """
 
 from __future__ import annotations
@@ -84,8 +85,8 @@ def make_groups(ctx: CompileContext) -> Groups:
     """
     u = ulysses_degree(ctx.options.variant_options, ctx.world)
     for site in list(ctx.sites):
-        if site.spec is SDPA:
-            continue  # heads U does not divide travel padded (``_padded``)
+        if site.spec in (SDPA, FLEX):
+            continue  # heads U does not divide travel padded (``_padded``, ``hybrid_flex_rule``)
         try:
             _check_heads(site, u)
         except AutoSPError as e:
@@ -178,7 +179,8 @@ def hybrid_flex_rule(ctx: SPContext, node: torch.fx.Node, site: AttentionSite, a
     q, k, v, score_mod, block, scale, options, score_bufs, mask_bufs = args
     length, heads, rings = site.seq_len, site.heads, ctx.world // g.degree
     i, rank_u = divmod(ctx.rank, g.degree)
-    per = heads // g.degree
+    count = padded.heads_multiple(heads, g.degree)  # padded where the group does not split the heads
+    per = count // g.degree
     block = tuple(whole_local(ctx, x) for x in block)
     local = None
     uneven = isinstance(length, int) and length % ctx.world != 0
@@ -199,10 +201,19 @@ def hybrid_flex_rule(ctx: SPContext, node: torch.fx.Node, site: AttentionSite, a
     ql, kl, vl = (
         to_shard(ctx, x if isinstance(x, SPValue) else SPValue(x, Replicate(), x), 2, even) for x in (q, k, v)
     )
+    if count != heads:
+        # As Ulysses pads (``autosp_ulysses.flex``): the padding heads read the last real head's index
+        # and blocks, and their results are cut below.
+        ql, kl, vl = padded.pad_heads(ql, kl, vl, count, 1)
+        ctx.notes.append(
+            f"attention {site.name} (FlexAttention): {heads} heads padded to {count} to split over "
+            f"ulysses_degree={g.degree} ({100 * (count - heads) / heads:.0f}% more attention compute)"
+        )
     ctx.note("all_to_all")
-    qh, kh, vh = qkv_to_heads(ql, kl, vl, heads, g, rank_u)
+    qh, kh, vh = qkv_to_heads(ql, kl, vl, count, g, rank_u)
     kw, vw = (C.all_gather(x.contiguous(), 2, [span] * rings, g.ring, False) for x in (kh, vh))
-    score_mod = flex_blocks.shift_arg(score_mod, flex_blocks.SCORE_HEAD, flex_blocks.offset(rank_u * per))
+    shift = flex_blocks.offset(rank_u * per, heads if count != heads else None)
+    score_mod = flex_blocks.shift_arg(score_mod, flex_blocks.SCORE_HEAD, shift)
     score_mod = flex_blocks.shift_arg(score_mod, flex_blocks.SCORE_QUERY, flex_blocks.global_rows(pieces))
     score_bufs, mask_bufs = pytree.tree_map(lambda x: whole_local(ctx, x), (score_bufs, mask_bufs))
     ctx.notes.append(f"{node.name} (FlexAttention): H/{g.degree} heads per rank, {CUT}")
@@ -215,7 +226,7 @@ def hybrid_flex_rule(ctx: SPContext, node: torch.fx.Node, site: AttentionSite, a
     else:
         read = set(range(len(results)))  # the tuple itself is used
     return tuple(
-        SPValue(C.all_to_all(t.contiguous(), 2, 1, g.ulysses), even, gval) if n in read else None
+        SPValue(C.all_to_all(t.contiguous(), 2, 1, g.ulysses).narrow(1, 0, heads), even, gval) if n in read else None
         for n, (t, gval) in enumerate(zip(results, node.meta["val"]))
     )
 

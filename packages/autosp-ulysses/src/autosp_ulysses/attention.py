@@ -17,8 +17,9 @@ are grouped, GQA), each rank attends over its ceil(H/P) heads, and the padding h
 the output. A zero head's scores are all equal, so its rows are finite and its output, which
 nothing reads, is zero; its gradient is cut with it, so the real heads' values and gradients are
 those of the unpadded attention. It costs (ceil(H/P)*P - H)/H more attention compute, and the report
-says so. Only SDPA pads: a plugin's attention op or FlexAttention may read the head index or carry
-per-head arguments, so those still need P to divide H.
+says so. SDPA and FlexAttention pad (Flex's mods see the last real head's index in the padding
+heads, ``autosp_ulysses.flex``); a plugin's attention op may read the head index or carry per-head
+arguments in ways not known here, so it still needs P to divide H.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import torch.nn.functional as F
 
 from autosp.analysis.attention import AttentionSite
 from autosp.errors import AutoSPError, ConfigError
-from autosp.lowering import SDPA, sdpa_args
+from autosp.lowering import FLEX, SDPA, sdpa_args
 from autosp.sharding import collectives as C
 from autosp.sharding.context import SPContext, SPValue, global_like
 from autosp.sharding.padded import heads_multiple, pad_heads, pad_mask_heads
@@ -42,7 +43,7 @@ from autosp_ulysses import uneven
 
 
 def check(site: AttentionSite, world: int) -> None:
-    if site.heads % world and site.spec is not SDPA:
+    if site.heads % world and site.spec not in (SDPA, FLEX):
         raise AutoSPError(
             f"attention {site.name} has {site.heads} query heads, not divisible by sp_size={world}; Ulysses splits "
             f"heads over ranks: use an sp_size that divides {site.heads}, or variant='ring'"
@@ -202,7 +203,7 @@ def _mask_heads(ctx: SPContext, mask: Any, heads: int, hdim: int, padded: int | 
     return full, None
 
 
-def _pad_values(ctx: SPContext, values: list[SPValue], heads: int, hdim: int) -> list[SPValue]:
+def pad_values(ctx: SPContext, values: list[SPValue], heads: int, hdim: int) -> list[SPValue]:
     """q, k and v with ``heads_multiple(heads, P)`` heads each (``autosp.sharding.padded.pad_heads``).
 
     Padding is local (the heads axis is not the sharded one), so placements are unchanged.
@@ -330,7 +331,7 @@ def ulysses_attention(ctx: SPContext, node: torch.fx.Node, site: AttentionSite, 
     if heads != site.heads:
         if a is None:  # check() refuses it: a plugin op may read its head index
             raise AssertionError(f"ulysses: {site.name}'s {site.heads} heads do not split over {ctx.world} ranks")
-        q, k, v = _pad_values(ctx, [q, k, v], site.heads, hdim)
+        q, k, v = pad_values(ctx, [q, k, v], site.heads, hdim)
         ctx.notes.append(
             f"attention {site.name}: {site.heads} heads padded to {heads} to split over {ctx.world} ranks "
             f"({100 * (heads - site.heads) / site.heads:.0f}% more attention compute"
@@ -368,6 +369,7 @@ __all__ = [
     "finish_heads",
     "from_heads",
     "kv_heads",
+    "pad_values",
     "start_heads",
     "to_heads",
     "to_heads_fused",
