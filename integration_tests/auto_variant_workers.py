@@ -52,14 +52,15 @@ def batch(seq: int = 32) -> dict[str, torch.Tensor]:
     return {"ids": ids, "labels": labels}
 
 
-def run_auto(rank: int, world: int, cases: list[tuple[str, str | None]]) -> dict[str, Any]:
-    """Each (model, hardware) compiled with variant="auto"; loss, gradients and what auto chose."""
+def run_auto(rank: int, world: int, cases: list[tuple[str, str | None]], variant: str = "auto") -> dict[str, Any]:
+    """Each (model, hardware) compiled with ``variant`` ("auto", or "hybrid" without a degree); loss,
+    gradients and what was chosen."""
     out = {}
     for name, hardware in cases:
         compiled = autosp.compile(
             build(name),
             sp_size=world,
-            variant="auto",
+            variant=variant,
             hardware=hardware,
             backend="aot_eager",
             fullgraph=True,

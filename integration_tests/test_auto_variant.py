@@ -13,9 +13,9 @@ from autosp.hardware_io import save
 pytest.importorskip("autosp_ring", reason="auto chooses among ulysses, ring and hybrid; autosp-ring is not installed")
 
 
-def check(world: int, cases: list[tuple[str, str | None]]) -> dict:
+def check(world: int, cases: list[tuple[str, str | None]], variant: str = "auto") -> dict:
     refs = {name: step(build(name), batch()) for name, _ in cases}
-    per_rank = run_spmd(run_auto, world, cases)
+    per_rank = run_spmd(run_auto, world, cases, variant)
     for rank, results in enumerate(per_rank):
         for name, hardware in cases:
             got, ref = results[f"{name}@{hardware}"], refs[name]
@@ -52,14 +52,21 @@ def test_auto_four_ranks_with_heads_the_ranks_do_not_split(tmp_path):
         ),
         slow_hops,
     )
-    results = check(4, [("h4", "h100-80gb"), ("h2", str(slow_hops)), ("h3", None), ("h2", None)])
+    results = check(4, [("h4", "h100-80gb"), ("h2", str(slow_hops)), ("h3", None), ("h2", None), ("mha3", None)])
     assert results["h4@h100-80gb"]["variant"].startswith("ulysses")
     assert results[f"h2@{slow_hops}"]["variant"].startswith("ulysses")
     ranked = [n for n in results[f"h2@{slow_hops}"]["notes"] if n.startswith("  ")]
     assert [n.lstrip(" *").split(":")[0] for n in ranked[:3]] == ["ulysses", "hybrid(ulysses_degree=2)", "ring"], ranked
     seconds = [float(n.split("~")[1].split(" ")[0]) for n in ranked[:3]]
     assert seconds[0] < seconds[1] < seconds[2], ranked
-    assert results["h3@None"]["variant"].split()[0] in ("ring", "ulysses")  # no hybrid degree divides 3 heads
+    # 3 heads: hybrid pads them to 4 in ulysses groups of 2 (once no hybrid degree was a candidate).
+    for key in ("h3@None", "mha3@None"):
+        assert any(n.lstrip(" *").startswith("hybrid(ulysses_degree=2): ~") for n in results[key]["notes"]), key
     assert results["h2@None"]["variant"].split()[0] in ("ring", "hybrid(ulysses_degree=2)", "ulysses")
     for key, r in results.items():
         assert any(n.startswith("variant='auto' chose") for n in r["notes"]), key
+    # variant="hybrid" without a degree: 2, its 3 heads padded to 4 (once: "no ulysses_degree divides").
+    # nn.MultiheadAttention's site appears only once lowered, after the degree was chosen.
+    for key, r in check(4, [("h3", None), ("mha3", None)], "hybrid").items():
+        assert r["variant"].startswith("hybrid(ulysses_degree=2)"), (key, r["variant"])
+        assert any("3 heads padded to 4" in n for n in r["notes"]), (key, r["notes"])

@@ -16,10 +16,13 @@ from autosp.analysis.attention import AttentionSite
 from autosp.hardware import CommModel, HardwareProfile, Interconnect
 from autosp.hardware_io import save
 from autosp.lowering import SDPA
-from autosp.passes.choose_variant import choose, sequence_sites
+from autosp.passes.choose_variant import _refuses_degree, choose, sequence_sites
 from autosp.registry import get_registry
 
 pytest.importorskip("autosp_ring", reason="auto chooses among ulysses, ring and hybrid; autosp-ring is not installed")
+
+
+PLUGIN = dataclasses.replace(SDPA, name="sliding_window", leaf=None)  # autosp-window's op: heads not padded
 
 
 def site(heads: int, kv: int | None = None, seq: int = 4096, dim: int = 128, causal: bool = True) -> AttentionSite:
@@ -66,20 +69,27 @@ def test_the_profile_changes_the_choice():
 @pytest.mark.parametrize(
     "heads, expected, excluded",
     [
-        (3, {"ulysses", "ring"}, ("hybrid: no ulysses_degree",)),
+        # SDPA's heads travel padded under Ulysses and hybrid alike (3 over 4 ranks as 4, over 2 as 4).
+        (3, {"ulysses", "hybrid(ulysses_degree=2)", "ring"}, ()),
         (2, {"ulysses", "hybrid(ulysses_degree=2)", "ring"}, ()),
+        # A plugin's op is not padded: no degree splits its 3 heads.
+        (-3, {"ring"}, ("ulysses: ", "hybrid: no ulysses_degree in [2] divides the heads")),
     ],
 )
 def test_heads_the_ranks_do_not_split_never_error(heads, expected, excluded):
-    choice = choose(ctx([site(heads, 1)], 4, FAST_A2A))
+    one = site(abs(heads), 1) if heads > 0 else dataclasses.replace(site(3, 1), spec=PLUGIN)
+    choice = choose(ctx([one], 4, FAST_A2A))
     assert {e.label for e in choice.candidates} == expected
     for why in excluded:
         assert any(x.startswith(why) for x in choice.excluded), choice.excluded
 
 
-def test_ulysses_is_costed_with_the_heads_it_pads():
+def test_ulysses_and_hybrid_are_costed_with_the_heads_they_pad():
     # 6 heads over 4 ranks travel and are attended as 8, k/v repeated to the query heads first.
     padded, split = (cost.ulysses([s], 4, FAST_A2A) for s in (site(6, 2), site(8, 8)))
+    assert (padded.comm_bytes, padded.compute_seconds) == pytest.approx((split.comm_bytes, split.compute_seconds))
+    # 3 heads over ulysses groups of 2 as 4.
+    padded, split = (cost.hybrid([s], 4, FAST_A2A, 2) for s in (site(3, 1), site(4, 4)))
     assert (padded.comm_bytes, padded.compute_seconds) == pytest.approx((split.comm_bytes, split.compute_seconds))
 
 
@@ -222,28 +232,13 @@ def test_a_dynamic_length_the_ranks_do_not_split_evenly_keeps_only_ulysses():
     )
 
 
-def test_a_site_found_after_lowering_that_the_choice_refuses_is_chosen_for_again(fake_four_ranks, monkeypatch):
-    # nn.MultiheadAttention's SDPA call is a site only once lowered. Without Ulysses installed and no
-    # site known, hybrid ties the ring and wins the tie; its degree 2 does not split 3 heads: choose again.
-    from autosp.registry import BLOCK_ENV, reset_registry
-
-    monkeypatch.setenv(BLOCK_ENV, "autosp-ulysses")
-    reset_registry()
-    try:
-        torch._dynamo.reset()
-        mha = torch.nn.MultiheadAttention(12, 3, batch_first=True)
-        compiled = autosp.compile(
-            lambda x: mha(x, x, x, need_weights=False)[0].sum(),
-            sp_size=4,
-            variant="auto",
-            backend="aot_eager",
-            check_inputs=False,
-            sac=False,
-        )
-        compiled(torch.randn(1, 16, 12))
-        report = compiled.autosp_reports[0]
-    finally:
-        monkeypatch.delenv(BLOCK_ENV)
-        reset_registry()
-    assert report.variant == "ring (chosen by variant='auto')", report.variant
-    assert any("refuses a site found after lowering" in n for n in report.notes), report.notes
+def test_a_degree_that_a_site_found_after_lowering_does_not_split_is_chosen_for_again():
+    # A site can appear only once lowered (nn.MultiheadAttention's SDPA call): the hybrid degree chosen
+    # before it is kept where the site's heads travel padded (SDPA, Flex), and chosen again where they
+    # cannot (a plugin's op whose heads the degree does not divide).
+    chosen = choose(ctx([site(4, 4)], 4, FAST_A2A, variant="hybrid"), only="hybrid").chosen
+    assert chosen.options == {"ulysses_degree": 2}
+    assert _refuses_degree(chosen, ctx([site(4, 4), site(3, 1)], 4, FAST_A2A)) is None
+    plugin = dataclasses.replace(site(3, 1), spec=PLUGIN)
+    why = _refuses_degree(chosen, ctx([site(4, 4), plugin], 4, FAST_A2A))
+    assert why == "ulysses_degree=2 does not divide every site's query heads", why

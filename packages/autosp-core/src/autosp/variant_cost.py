@@ -12,7 +12,7 @@ Per attention site and training step (forward and backward), per rank:
 - ring: P-1 hops of k and v forward; backward k/v again plus fp32 dk/dv. Hops overlap the block
   compute, so each direction takes the longer of the two.
 - hybrid (U x R): Ulysses' all-to-alls inside groups of U ranks, then a ring of R hops over ranks
-  U apart.
+  U apart. Heads U does not divide are padded (Ulysses' too): the padding heads cost compute and bytes.
 
 Communication times come from ``HardwareProfile.collective_seconds`` (measured tables when the
 profile has them, the interconnect's topology otherwise). The numbers rank candidates; they do not
@@ -21,12 +21,14 @@ predict a step.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from autosp.analysis.attention import AttentionSite, hint
 from autosp.hardware import HardwareProfile
+from autosp.lowering import FLEX, SDPA
 from autosp.sharding.padded import heads_multiple
 
 BACKWARD_FACTOR = 2.5  # flash-style backward: about 2.5x the forward's FLOPs
@@ -155,6 +157,8 @@ def hybrid(sites: list[AttentionSite], world: int, hw: HardwareProfile, degree: 
     nbytes = comm = compute = total = 0.0
     for site in sites:
         z = _Sizes.of(site)
+        if heads_multiple(z.h, u) != z.h:  # padded to split over the group, k/v repeated to the query heads
+            z = dataclasses.replace(z, h=heads_multiple(z.h, u), kv=heads_multiple(z.h, u))
         token = z.b * (z.s // world) * z.d * z.elt
         q_out = 2 * hw.collective_seconds("all_to_all", token * z.h, u) * 2  # q in and out back, fwd and bwd
         if z.kv % u == 0:
@@ -174,8 +178,10 @@ def hybrid(sites: list[AttentionSite], world: int, hw: HardwareProfile, degree: 
 
 
 def hybrid_degrees(sites: list[AttentionSite], world: int) -> list[int]:
-    """Ulysses degrees U with 1 < U < world that divide the world and every site's head count."""
-    return [u for u in range(2, world) if world % u == 0 and all(int(hint(s.heads)) % u == 0 for s in sites)]
+    """Ulysses degrees U with 1 < U < world that divide the world and the head count of every site
+    that cannot travel padded (a plugin's op: SDPA's and FlexAttention's heads are padded to U)."""
+    fixed = [int(hint(s.heads)) for s in sites if s.spec not in (SDPA, FLEX)]
+    return [u for u in range(2, world) if world % u == 0 and all(h % u == 0 for h in fixed)]
 
 
 __all__ = [

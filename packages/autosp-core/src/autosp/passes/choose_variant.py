@@ -107,8 +107,12 @@ def candidates(ctx: CompileContext, only: str | None = None) -> tuple[list[cost.
         else:
             degrees = cost.hybrid_degrees(sites, ctx.world)
             if not degrees:
+                proper = [u for u in range(2, ctx.world) if ctx.world % u == 0]
                 excluded.append(
-                    f"hybrid: no ulysses_degree strictly between 1 and {ctx.world} divides sp_size and every head count"
+                    f"hybrid: sp_size={ctx.world} has no ulysses_degree strictly between 1 and {ctx.world}"
+                    if not proper
+                    else f"hybrid: no ulysses_degree in {proper} divides the heads of every attention op that "
+                    "cannot be padded (a plugin's)"
                 )
             found += [cost.hybrid(sites, ctx.world, ctx.hardware, u) for u in degrees]
     if only is None:
