@@ -22,7 +22,8 @@ from autosp.registry import get_registry
 pytest.importorskip("autosp_ring", reason="auto chooses among ulysses, ring and hybrid; autosp-ring is not installed")
 
 
-PLUGIN = dataclasses.replace(SDPA, name="sliding_window", leaf=None)  # autosp-window's op: heads not padded
+# A plugin op the ring takes that does not declare pads_heads: its heads are not padded.
+PLUGIN = dataclasses.replace(SDPA, name="sliding_window", leaf=None, pads_heads=False)
 
 
 def site(heads: int, kv: int | None = None, seq: int = 4096, dim: int = 128, causal: bool = True) -> AttentionSite:

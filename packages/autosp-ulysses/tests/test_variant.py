@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -32,6 +34,10 @@ def test_heads_must_divide_sp_size_only_where_the_attention_op_is_a_plugins():
     site = AttentionSite("plugin", plugin, 1, 6, 2, 64, 64, 16, True, None, None)
     with pytest.raises(AutoSPError, match=r"6 query heads, not divisible by sp_size=4.*variant='ring'"):
         ULYSSES.check(site, 4)
+    # A plugin's op that declares it computes each head alone, reading no head index: padded.
+    ULYSSES.check(
+        AttentionSite("plugin", dataclasses.replace(plugin, pads_heads=True), 1, 6, 2, 64, 64, 16, True, None, None), 4
+    )
 
 
 @pytest.mark.parametrize(

@@ -63,6 +63,7 @@ SDPA = AttentionSpec(
     causal="is_causal",
     leaf=torch.ops.autosp.sdpa.default,
     signature=SDPA_SIGNATURE,
+    pads_heads=True,
 )
 
 
@@ -74,6 +75,7 @@ FLEX = AttentionSpec(
     targets=tuple(t for t in (getattr(torch.ops.higher_order, "flex_attention", None),) if t is not None),
     layout="BHSD",
     variants=("ulysses", "ring", "hybrid"),
+    pads_heads=True,  # the padding heads' mods see the last real head's index (``autosp.flex_blocks``)
 )
 
 

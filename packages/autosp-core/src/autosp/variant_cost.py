@@ -28,7 +28,6 @@ from typing import Any
 
 from autosp.analysis.attention import AttentionSite, hint
 from autosp.hardware import HardwareProfile
-from autosp.lowering import FLEX, SDPA
 from autosp.sharding.padded import heads_multiple
 
 BACKWARD_FACTOR = 2.5  # flash-style backward: about 2.5x the forward's FLOPs
@@ -179,8 +178,8 @@ def hybrid(sites: list[AttentionSite], world: int, hw: HardwareProfile, degree: 
 
 def hybrid_degrees(sites: list[AttentionSite], world: int) -> list[int]:
     """Ulysses degrees U with 1 < U < world that divide the world and the head count of every site
-    that cannot travel padded (a plugin's op: SDPA's and FlexAttention's heads are padded to U)."""
-    fixed = [int(hint(s.heads)) for s in sites if s.spec not in (SDPA, FLEX)]
+    that cannot travel padded (``AttentionSpec.pads_heads``: SDPA's and FlexAttention's heads can)."""
+    fixed = [int(hint(s.heads)) for s in sites if not s.spec.pads_heads]
     return [u for u in range(2, world) if world % u == 0 and all(h % u == 0 for h in fixed)]
 
 

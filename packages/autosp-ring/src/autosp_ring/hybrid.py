@@ -11,7 +11,8 @@ Subgroups are made once per (SP group, U) by a compile-time pass, on every rank.
 SDPA heads that U does not divide travel padded with zero heads, as under Ulysses
 (``autosp_ulysses.attention``): k/v repeated to the query heads first, the padding cut from the
 output. FlexAttention pads the same way, its mods seeing the last real head's index in the padding
-heads (``autosp.flex_blocks.heads_of``); a plugin's attention op still needs U to divide the heads.
+heads (``autosp.flex_blocks.heads_of``), and so does a plugin's op that declares
+``AttentionSpec.pads_heads``; any other plugin op needs U to divide the heads.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from autosp import flex_blocks
 from autosp.analysis.attention import AttentionSite
 from autosp.context import CompileContext
 from autosp.errors import AutoSPError, ConfigError
-from autosp.lowering import FLEX, SDPA
+from autosp.lowering import FLEX
 from autosp.options import group_timeout
 from autosp.passes.core import leave_to_engine
 from autosp.sharding import collectives as C
@@ -85,7 +86,7 @@ def make_groups(ctx: CompileContext) -> Groups:
     """
     u = ulysses_degree(ctx.options.variant_options, ctx.world)
     for site in list(ctx.sites):
-        if site.spec in (SDPA, FLEX):
+        if site.spec.pads_heads:
             continue  # heads U does not divide travel padded (``_padded``, ``hybrid_flex_rule``)
         try:
             _check_heads(site, u)

@@ -18,8 +18,9 @@ the output. A zero head's scores are all equal, so its rows are finite and its o
 nothing reads, is zero; its gradient is cut with it, so the real heads' values and gradients are
 those of the unpadded attention. It costs (ceil(H/P)*P - H)/H more attention compute, and the report
 says so. SDPA and FlexAttention pad (Flex's mods see the last real head's index in the padding
-heads, ``autosp_ulysses.flex``); a plugin's attention op may read the head index or carry per-head
-arguments in ways not known here, so it still needs P to divide H.
+heads, ``autosp_ulysses.flex``), and so does a plugin's op that declares ``AttentionSpec.pads_heads``;
+any other plugin op may read the head index or carry per-head arguments in ways not known here, so it
+still needs P to divide H.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import torch.nn.functional as F
 
 from autosp.analysis.attention import AttentionSite
 from autosp.errors import AutoSPError, ConfigError
-from autosp.lowering import FLEX, SDPA, sdpa_args
+from autosp.lowering import SDPA, sdpa_args
 from autosp.sharding import collectives as C
 from autosp.sharding.context import SPContext, SPValue, global_like
 from autosp.sharding.padded import heads_multiple, pad_heads, pad_mask_heads
@@ -43,7 +44,7 @@ from autosp_ulysses import uneven
 
 
 def check(site: AttentionSite, world: int) -> None:
-    if site.heads % world and site.spec not in (SDPA, FLEX):
+    if site.heads % world and not site.spec.pads_heads:
         raise AutoSPError(
             f"attention {site.name} has {site.heads} query heads, not divisible by sp_size={world}; Ulysses splits "
             f"heads over ranks: use an sp_size that divides {site.heads}, or variant='ring'"
@@ -329,7 +330,7 @@ def ulysses_attention(ctx: SPContext, node: torch.fx.Node, site: AttentionSite, 
         a = None
     heads = heads_multiple(site.heads, ctx.world)
     if heads != site.heads:
-        if a is None:  # check() refuses it: a plugin op may read its head index
+        if not spec.pads_heads:  # check() refuses it: a plugin op may read its head index
             raise AssertionError(f"ulysses: {site.name}'s {site.heads} heads do not split over {ctx.world} ranks")
         q, k, v = pad_values(ctx, [q, k, v], site.heads, hdim)
         ctx.notes.append(
@@ -357,7 +358,7 @@ def ulysses_attention(ctx: SPContext, node: torch.fx.Node, site: AttentionSite, 
             local[i] = t
         local = [x.local if isinstance(x, SPValue) else x for x in local]
         if isinstance(spec.mask, int) and isinstance(args[spec.mask], SPValue):
-            local[spec.mask] = _mask_heads(ctx, args[spec.mask], site.heads, hdim)[0]
+            local[spec.mask] = _mask_heads(ctx, args[spec.mask], site.heads, hdim, heads)[0]
         out = node.target(*local, **{k_: (x.local if isinstance(x, SPValue) else x) for k_, x in kwargs.items()})
     back = from_heads(ctx, out, sdim, hdim, length)
     return SPValue(back.narrow(hdim, 0, site.heads) if heads != site.heads else back, placement, node.meta["val"])

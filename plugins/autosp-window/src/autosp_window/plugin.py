@@ -21,6 +21,7 @@ SPEC = AttentionSpec(
     mask=None,
     causal=None,
     signature=("q", "k", "v", "window"),
+    pads_heads=True,  # each head from its own q, k, v; no head index read: heads may travel padded
 )
 
 

@@ -33,6 +33,10 @@ class AttentionSpec:
         signature: argument names of ``leaf``, to map keyword arguments onto it.
         variants: names of the SP variants that rewrite this op; ``None``: every variant. Under
             any other variant the call is no site: the engine runs it whole, inputs gathered.
+        pads_heads: the op computes each query head from that head's q, k, v (and mask) alone and
+            reads no head index, so a variant may add zero heads to split the heads over its ranks
+            and cut their results (SDPA; FlexAttention, whose mods get a clamped head index). ``False``
+            (the default for a plugin's op): the ranks must split the heads as they are.
     """
 
     name: str
@@ -44,6 +48,7 @@ class AttentionSpec:
     leaf: Any = None
     signature: tuple[str, ...] = ()
     variants: tuple[str, ...] | None = None
+    pads_heads: bool = False
 
     def rewritten_by(self, variant: str) -> bool:
         return self.variants is None or variant in self.variants
