@@ -152,6 +152,16 @@ def test_ulysses_flex_attention_under_inductor():
     _rewritten_by_ulysses(_check(2, "ulysses", CASES, backend="inductor"))
 
 
+@pytest.mark.extended(covered_by="test_hybrid_cuts_flex_attention_to_heads_and_rows")
+def test_hybrid_flex_attention_under_inductor_reads_the_cut_block_lists():
+    # Forward only. The second ring span's rows, cut in the graph: Inductor's kernel once read them from
+    # the first block (a silently wrong loss on ranks 2 and 3; test_flex_blocks pins the cause). With 3
+    # heads padded to 4 too.
+    hybrid = {"ulysses_degree": 2}
+    _cut_to_rows(_check(4, "hybrid", CASES, backend="inductor", options=hybrid))
+    _padded(_check(4, "hybrid", [("per_head", 3)], backend="inductor", heads=3, dim=24, options=hybrid), 3, 4)
+
+
 @pytest.mark.extended(covered_by="test_ring_cuts_flex_attention_to_query_rows")
 def test_ring_flex_attention_under_inductor_reads_the_cut_block_lists():
     # Forward only (Inductor has no CPU Flex backward); its CPU kernel skips the blocks the lists leave out.

@@ -129,6 +129,34 @@ def test_padding_heads_mean_the_last_real_head():
     assert torch.equal(flex_blocks.offset(2)(torch.arange(4)), torch.tensor([2, 3, 4, 5]))
 
 
+def test_blocks_cut_inside_a_graph_reach_inductors_kernel_whole():
+    # Cut inside the compiled graph, as the variants cut them: rows from a block past the first (the
+    # second ring span of hybrid, a contiguous ring piece) and heads past the first. Inductor's CPU
+    # Flex kernel once read a narrow()ed block tensor from its base, not its offset: wrong rows.
+    import torch._inductor.config as inductor_config
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, HEADS, LENGTH, 8) for _ in range(3))
+    whole = _mask("per_head")
+    reference = flex_attention(
+        q, k, v, block_mask=BlockMask((whole[0], whole[1]), *whole[2:10], BLOCK_SIZE=(16, 16), mask_mod=whole[16])
+    )
+    rows, (lo, hi) = (64, LENGTH), (2, 4)
+
+    def cut(q, k, v, *block):
+        local = flex_blocks.rows_of(flex_blocks.heads_of(block, HEADS, lo, hi), (rows,))
+        mask = BlockMask((local[0], local[1]), *local[2:10], BLOCK_SIZE=(local[14], local[15]), mask_mod=local[16])
+        return flex_attention(q, k, v, block_mask=mask)
+
+    torch._dynamo.reset()
+    # Inductor's CPU Flex kernel has vectorized code only (the suite's scalar setting breaks it).
+    with inductor_config.patch({"cpp.simdlen": None, "cpp.vec_isa_ok": None}):
+        compiled = torch.compile(cut, backend="inductor", fullgraph=True)
+        got = compiled(q[:, lo:hi, rows[0] : rows[1]], k[:, lo:hi], v[:, lo:hi], *whole)
+    torch.testing.assert_close(got, reference[:, lo:hi, rows[0] : rows[1]], rtol=1e-5, atol=1e-5)
+
+
 def test_transpose_matches_torch():
     torch.manual_seed(0)
     dense = torch.rand(2, 3, 5, 7) < 0.4

@@ -88,7 +88,7 @@ def heads_of(block: tuple, heads: int, lo: int, hi: int) -> tuple | None:
     for i in BLOCK_TENSORS:
         t = block[i]
         if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[1] == heads and heads > 1:
-            out[i] = t.narrow(1, lo, hi - lo) if hi <= heads else t[:, [min(h, heads - 1) for h in range(lo, hi)]]
+            out[i] = _take(t, 1, [min(h, heads - 1) for h in range(lo, hi)])
         elif isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[1] != 1:
             return None  # a head dim of another size: not a layout known here
     out[MASK_MOD] = shift_arg(block[MASK_MOD], MASK_HEAD, offset(lo, heads if hi > heads else None))
@@ -107,9 +107,18 @@ def row_blocks(pieces: Pieces, length: int, size: int) -> list[tuple[int, int]] 
     return spans
 
 
+def _take(t: torch.Tensor, dim: int, index: list[int]) -> torch.Tensor:
+    """``t``'s entries ``index`` along ``dim``, as a new tensor, never a view.
+
+    Inductor's FlexAttention kernel (torch 2.13, CPU) read a block tensor that the graph cut with
+    ``narrow`` at a nonzero offset as if it started at the base (a silently wrong attention on every
+    rank but the first); a gather makes a tensor of its own.
+    """
+    return t.index_select(dim, torch.tensor(index, dtype=torch.long, device=t.device))
+
+
 def _rows(t: torch.Tensor, dim: int, spans: list[tuple[int, int]]) -> torch.Tensor:
-    parts = [t.narrow(dim, first, count) for first, count in spans]
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+    return _take(t, dim, [i for first, count in spans for i in range(first, first + count)])
 
 
 def _transpose(num: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
