@@ -7,11 +7,11 @@ Each rewritten Dynamo graph, its writes then stated by ``autosp.straight_through
 from __future__ import annotations
 
 import copy
-from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
+from test_straight_through import _capture
 
 from autosp.analysis.source import user_line
 from autosp.embedding_renorm import write_out_renorms
@@ -39,18 +39,6 @@ class Lookups(torch.nn.Module):
         else:
             raise AssertionError(self.kind)
         return (self.lin(x) ** 2).sum() + (x @ self.table.weight.T).sum()  # the table read again, renormed
-
-
-def _capture(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.fx.GraphModule, list[Any]]:
-    got: dict[str, Any] = {}
-
-    def record(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-        got["gm"], got["inputs"] = gm, example_inputs
-        return gm.forward
-
-    torch._dynamo.reset()
-    torch.compile(model, backend=record)(ids)
-    return got["gm"], got["inputs"]
 
 
 @pytest.mark.parametrize(("kind", "lookups"), [("module", 1), ("positional", 1), ("twice", 2), ("bag", 2)])
