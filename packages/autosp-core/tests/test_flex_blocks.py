@@ -134,6 +134,7 @@ def test_blocks_cut_inside_a_graph_reach_inductors_kernel_whole():
     # second ring span of hybrid, a contiguous ring piece) and heads past the first. Inductor's CPU
     # Flex kernel once read a narrow()ed block tensor from its base, not its offset: wrong rows.
     import torch._inductor.config as inductor_config
+    from torch._inductor.cpu_vec_isa import valid_vec_isa_list
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
     torch.manual_seed(0)
@@ -150,10 +151,18 @@ def test_blocks_cut_inside_a_graph_reach_inductors_kernel_whole():
         return flex_attention(q, k, v, block_mask=mask)
 
     torch._dynamo.reset()
-    # Inductor's CPU Flex kernel has vectorized code only (the suite's scalar setting breaks it).
-    with inductor_config.patch({"cpp.simdlen": None, "cpp.vec_isa_ok": None}):
-        compiled = torch.compile(cut, backend="inductor", fullgraph=True)
-        got = compiled(q[:, lo:hi, rows[0] : rows[1]], k[:, lo:hi], v[:, lo:hi], *whole)
+    # Inductor's CPU Flex kernel has vectorized code only (the suite's scalar setting breaks it). The
+    # vector ISAs Inductor finds are cached at its first compile in the process: found again here, and
+    # forgotten after, so the suite's later compiles keep finding none. Compiled afresh: a cached
+    # graph was built under another ISA than this process now has (it compiled wrong, or not at all).
+    valid_vec_isa_list.cache_clear()
+    vectorized = {"cpp.simdlen": None, "cpp.vec_isa_ok": None, "fx_graph_cache": False}
+    try:
+        with inductor_config.patch(vectorized), torch._functorch.config.patch(enable_autograd_cache=False):
+            compiled = torch.compile(cut, backend="inductor", fullgraph=True)
+            got = compiled(q[:, lo:hi, rows[0] : rows[1]], k[:, lo:hi], v[:, lo:hi], *whole)
+    finally:
+        valid_vec_isa_list.cache_clear()
     torch.testing.assert_close(got, reference[:, lo:hi, rows[0] : rows[1]], rtol=1e-5, atol=1e-5)
 
 
