@@ -40,8 +40,13 @@ def flex_rule(ctx: SPContext, node: torch.fx.Node, site: AttentionSite, args: tu
     lo, hi = ctx.rank * per, (ctx.rank + 1) * per
     local_block = flex_blocks.heads_of(tuple(whole_local(ctx, x) for x in block), heads, lo, hi)
     padded = count != heads
-    if local_block is None or kwargs or (padded and not all(isinstance(x, SPValue) for x in (q, k, v))):
+    if local_block is None or kwargs:
         ctx.fallbacks.append(f"{node.name} (FlexAttention): its block mask does not split over heads; run whole")
+        return fallback(ctx, node, args, kwargs)
+    if padded and not all(isinstance(x, SPValue) for x in (q, k, v)):
+        ctx.fallbacks.append(
+            f"{node.name} (FlexAttention): q, k or v is a constant, whose heads are not padded; run whole"
+        )
         return fallback(ctx, node, args, kwargs)
     hdim, sdim = site.axis("H"), site.axis("S")
     if padded:
