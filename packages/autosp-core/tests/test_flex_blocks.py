@@ -132,7 +132,7 @@ def test_padding_heads_mean_the_last_real_head():
 def test_blocks_cut_inside_a_graph_reach_inductors_kernel_whole():
     # Cut inside the compiled graph, as the variants cut them: rows from a block past the first (the
     # second ring span of hybrid, a contiguous ring piece) and heads past the first. Inductor's CPU
-    # Flex kernel once read a narrow()ed block tensor from its base, not its offset: wrong rows.
+    # Flex kernel once read a block tensor cut by one narrow() past block 0 wrongly: wrong rows.
     import torch._inductor.config as inductor_config
     from torch._inductor.cpu_vec_isa import valid_vec_isa_list
     from torch.nn.attention.flex_attention import BlockMask, flex_attention

@@ -110,9 +110,10 @@ def row_blocks(pieces: Pieces, length: int, size: int) -> list[tuple[int, int]] 
 def _take(t: torch.Tensor, dim: int, index: list[int]) -> torch.Tensor:
     """``t``'s entries ``index`` along ``dim``, as a new tensor, never a view.
 
-    Inductor's FlexAttention kernel (torch 2.13, CPU) read a block tensor that the graph cut with
-    ``narrow`` at a nonzero offset as if it started at the base (a silently wrong attention on every
-    rank but the first); a gather makes a tensor of its own.
+    Inductor's FlexAttention kernel (torch 2.13, CPU) read wrongly a block tensor that the graph cut
+    with one ``narrow`` past the first query block (a silently wrong attention on the ranks whose rows
+    start there; cut at block 0, or as a ``cat`` of pieces, it was right); a gather makes a tensor of
+    its own, which it reads right.
     """
     return t.index_select(dim, torch.tensor(index, dtype=torch.long, device=t.device))
 
