@@ -19,6 +19,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from autosp.untracked_writes import value_of
+
 _FUNCTIONS = {
     # target: the names of its positional parameters
     F.embedding: ("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse"),
@@ -38,13 +40,9 @@ _FUNCTIONS = {
 }
 
 
-def _bound(node: torch.fx.Node) -> dict[str, Any]:
+def bound_args(node: torch.fx.Node) -> dict[str, Any]:
+    """An ``F.embedding`` or ``F.embedding_bag`` call's arguments by name."""
     return dict(zip(_FUNCTIONS[node.target], node.args)) | dict(node.kwargs)
-
-
-def _value(node: Any) -> torch.Tensor | None:
-    v = node.meta.get("example_value") if isinstance(node, torch.fx.Node) else None
-    return v if isinstance(v, torch.Tensor) else None
 
 
 def write_out_renorms(gm: torch.fx.GraphModule) -> int:
@@ -58,10 +56,10 @@ def write_out_renorms(gm: torch.fx.GraphModule) -> int:
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target not in _FUNCTIONS:
             continue
-        bound = _bound(node)
+        bound = bound_args(node)
         max_norm = bound.get("max_norm")
         weight, ids = bound.get("weight"), bound.get("input")
-        table, looked_up = _value(weight), _value(ids)
+        table, looked_up = value_of(weight), value_of(ids)
         if max_norm is None or table is None or looked_up is None:
             continue
         norm_type = float(bound.get("norm_type", 2.0))
@@ -87,4 +85,4 @@ def write_out_renorms(gm: torch.fx.GraphModule) -> int:
     return split
 
 
-__all__ = ["write_out_renorms"]
+__all__ = ["bound_args", "write_out_renorms"]

@@ -156,8 +156,8 @@ def hybrid(sites: list[AttentionSite], world: int, hw: HardwareProfile, degree: 
     nbytes = comm = compute = total = 0.0
     for site in sites:
         z = _Sizes.of(site)
-        if heads_multiple(z.h, u) != z.h:  # padded to split over the group, k/v repeated to the query heads
-            z = dataclasses.replace(z, h=heads_multiple(z.h, u), kv=heads_multiple(z.h, u))
+        if (h := heads_multiple(z.h, u)) != z.h:  # padded to split over the group, k/v repeated to the query heads
+            z = dataclasses.replace(z, h=h, kv=h)
         token = z.b * (z.s // world) * z.d * z.elt
         q_out = 2 * hw.collective_seconds("all_to_all", token * z.h, u) * 2  # q in and out back, fwd and bwd
         if z.kv % u == 0:

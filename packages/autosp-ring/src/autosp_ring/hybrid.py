@@ -154,18 +154,20 @@ def qkv_to_heads(
 
 
 def _padded(
-    ctx: SPContext, site: AttentionSite, qkv: tuple[torch.Tensor, ...], mask: torch.Tensor | None, u: int
+    ctx: SPContext,
+    site: AttentionSite,
+    qkv: tuple[torch.Tensor, ...],
+    mask: torch.Tensor | None,
+    u: int,
+    label: str | None = None,
 ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None, int]:
     """q, k, v ([B, H*, S/P, D]) and a per-head mask with heads a multiple of ``u``
-    (``autosp.sharding.padded.pad_heads``), and that count."""
+    (``autosp.sharding.padded.pad_heads``), and that count; ``label`` names the site in the note."""
     heads = site.heads
     count = padded.heads_multiple(heads, u)
     if count == heads:
         return qkv, mask, heads
-    ctx.notes.append(
-        f"attention {site.name}: {heads} heads padded to {count} to split over ulysses_degree={u} "
-        f"({100 * (count - heads) / heads:.0f}% more attention compute)"
-    )
+    ctx.notes.append(padded.heads_note(label or site.name, heads, count, f"ulysses_degree={u}"))
     if mask is not None and mask.shape[1] == heads and heads > 1:
         mask = padded.pad_mask_heads(mask, 1, count)
     q, k, v = qkv
@@ -202,14 +204,9 @@ def hybrid_flex_rule(ctx: SPContext, node: torch.fx.Node, site: AttentionSite, a
     ql, kl, vl = (
         to_shard(ctx, x if isinstance(x, SPValue) else SPValue(x, Replicate(), x), 2, even) for x in (q, k, v)
     )
-    if count != heads:
-        # As Ulysses pads (``autosp_ulysses.flex``): the padding heads read the last real head's index
-        # and blocks, and their results are cut below.
-        ql, kl, vl = padded.pad_heads(ql, kl, vl, count, 1)
-        ctx.notes.append(
-            f"attention {site.name} (FlexAttention): {heads} heads padded to {count} to split over "
-            f"ulysses_degree={g.degree} ({100 * (count - heads) / heads:.0f}% more attention compute)"
-        )
+    # As Ulysses pads (``autosp_ulysses.flex``): the padding heads read the last real head's index
+    # and blocks, and their results are cut below.
+    (ql, kl, vl), _, _ = _padded(ctx, site, (ql, kl, vl), None, g.degree, f"{site.name} (FlexAttention)")
     ctx.note("all_to_all")
     qh, kh, vh = qkv_to_heads(ql, kl, vl, count, g, rank_u)
     kw, vw = (C.all_gather(x.contiguous(), 2, [span] * rings, g.ring, False) for x in (kh, vh))

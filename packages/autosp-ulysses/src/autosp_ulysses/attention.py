@@ -37,7 +37,7 @@ from autosp.errors import AutoSPError, ConfigError
 from autosp.lowering import SDPA, sdpa_args
 from autosp.sharding import collectives as C
 from autosp.sharding.context import SPContext, SPValue, global_like
-from autosp.sharding.padded import heads_multiple, pad_heads, pad_mask_heads
+from autosp.sharding.padded import heads_multiple, heads_note, pad_heads, pad_mask_heads
 from autosp.sharding.placement import Replicate, SeqAxis, Shard, is_even
 from autosp.sharding.redistribute import gather
 from autosp_ulysses import uneven
@@ -333,11 +333,8 @@ def ulysses_attention(ctx: SPContext, node: torch.fx.Node, site: AttentionSite, 
         if not spec.pads_heads:  # check() refuses it: a plugin op may read its head index
             raise AssertionError(f"ulysses: {site.name}'s {site.heads} heads do not split over {ctx.world} ranks")
         q, k, v = pad_values(ctx, [q, k, v], site.heads, hdim)
-        ctx.notes.append(
-            f"attention {site.name}: {site.heads} heads padded to {heads} to split over {ctx.world} ranks "
-            f"({100 * (heads - site.heads) / site.heads:.0f}% more attention compute"
-            + (", k/v repeated to the query heads)" if site.kv_heads != site.heads else ")")
-        )
+        repeated = ", k/v repeated to the query heads" if site.kv_heads != site.heads else ""
+        ctx.notes.append(heads_note(site.name, site.heads, heads, f"{ctx.world} ranks", repeated))
     k, gqa_k = kv_heads(ctx, k, heads, hdim, sdim)
     v, gqa_v = kv_heads(ctx, v, heads, hdim, sdim)
     length = site.seq_len

@@ -24,7 +24,7 @@ from torch.utils import _pytree as pytree
 from autosp import flex_blocks
 from autosp.analysis.attention import AttentionSite
 from autosp.sharding.context import SPContext, SPValue
-from autosp.sharding.padded import heads_multiple
+from autosp.sharding.padded import heads_multiple, heads_note
 from autosp.sharding.placement import HeadShard, SeqAxis, Shard
 from autosp.sharding.redistribute import whole_local
 from autosp.sharding.rules.base import fallback
@@ -51,11 +51,8 @@ def flex_rule(ctx: SPContext, node: torch.fx.Node, site: AttentionSite, args: tu
     hdim, sdim = site.axis("H"), site.axis("S")
     if padded:
         q, k, v = pad_values(ctx, [q, k, v], heads, hdim)
-        ctx.notes.append(
-            f"attention {site.name} (FlexAttention): {heads} heads padded to {count} to split over {ctx.world} "
-            f"ranks ({100 * (count - heads) / heads:.0f}% more attention compute; the mods see the last real "
-            "head's index in the padding heads, whose results are cut)"
-        )
+        cut = "; the mods see the last real head's index in the padding heads, whose results are cut"
+        ctx.notes.append(heads_note(f"{site.name} (FlexAttention)", heads, count, f"{ctx.world} ranks", cut))
     k, v = (split_kv_heads(ctx, x, count, hdim, sdim)[0] if isinstance(x, SPValue) else x for x in (k, v))
     fused = to_heads_fused(ctx, [q, k, v], hdim, sdim)
     ql, kl, vl = fused if fused is not None else (to_heads(ctx, x, hdim, sdim) for x in (q, k, v))

@@ -19,6 +19,7 @@ from autosp.analysis.source import user_line
 from autosp.canonical import canonical_order, lowered_code
 from autosp.context import CompileContext
 from autosp.discarded_outputs import reach
+from autosp.embedding_renorm import bound_args
 from autosp.errors import AutoSPError
 from autosp.flex_mods import refuse_computed_captures, restore_mod_index
 from autosp.guards import AttentionNotSharded
@@ -175,11 +176,8 @@ def _unsupported(node: torch.fx.Node, flex_in_graph: bool) -> tuple[str, str] | 
             return "torch.func.vmap in a graph that also calls flex_attention", _VMAP_ADVICE
         return None
     if node.target is torch.nn.functional.embedding:
-        return _unsupported_embedding(dict(zip(_EMBEDDING_ARGS, node.args)) | dict(node.kwargs))
+        return _unsupported_embedding(bound_args(node))
     return None
-
-
-_EMBEDDING_ARGS = ("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse")
 
 
 def _unsupported_embedding(bound: dict) -> tuple[str, str] | None:

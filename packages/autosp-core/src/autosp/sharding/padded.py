@@ -54,6 +54,14 @@ def pad_heads(
     return pad_to(q, dim, count), pad_to(k, dim, count), pad_to(v, dim, count)
 
 
+def heads_note(site: str, heads: int, count: int, over: str, detail: str = "") -> str:
+    """The report's note for an attention site whose ``heads`` travel as ``count`` to split ``over``."""
+    return (
+        f"attention {site}: {heads} heads padded to {count} to split over {over} "
+        f"({100 * (count - heads) / heads:.0f}% more attention compute{detail})"
+    )
+
+
 def pad_mask_heads(mask: torch.Tensor, dim: int, count: int) -> torch.Tensor:
     """A per-head mask with padding heads that mask nothing (``True``, or ``0`` added): kernels
     disagree on a fully masked row (CPU's gives zeros, the math path NaN)."""
@@ -90,4 +98,14 @@ def cut_own(received: torch.Tensor, dim: int, pieces: Sequence[IntLike] | None, 
     return received if pieces is None else received.narrow(dim, 0, pieces[index])
 
 
-__all__ = ["cut_own", "heads_multiple", "keep_real", "pad_each", "pad_heads", "pad_mask_heads", "pad_own", "pad_to"]
+__all__ = [
+    "cut_own",
+    "heads_multiple",
+    "heads_note",
+    "keep_real",
+    "pad_each",
+    "pad_heads",
+    "pad_mask_heads",
+    "pad_own",
+    "pad_to",
+]
