@@ -159,6 +159,7 @@ def test_hybrid_flex_attention_under_inductor_reads_the_cut_block_lists():
     # heads padded to 4 too.
     hybrid = {"ulysses_degree": 2}
     _cut_to_rows(_check(4, "hybrid", CASES, backend="inductor", options=hybrid))
+    _padded(_check(3, "ulysses", CASES, seq=96, backend="inductor"), 4, 6)  # Ulysses' padded heads too
     _padded(_check(4, "hybrid", [("per_head", 3)], backend="inductor", heads=3, dim=24, options=hybrid), 3, 4)
 
 
